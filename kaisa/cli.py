@@ -1,0 +1,44 @@
+"""The ``kaisa`` command: a thin dispatcher to the sub-commands.
+
+``kaisa demo ...`` runs the time-to-accuracy comparison (``kaisa.demo``) and
+``kaisa plan ...`` prints the KAISA work plan and cost model
+(``kaisa.distributed.plan_cli``). Each sub-command owns its own options.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+_USAGE = """usage: kaisa {demo,plan} [options]
+
+  demo   train one network with SGD and with SGD + KAISA and compare time to accuracy
+  plan   print the KAISA work plan and cost model for a model and a world size
+
+Run `kaisa COMMAND --help` for the options of a command."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kaisa`` console script; returns the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_USAGE)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "demo":
+        from kaisa.demo.cli import main as demo_main
+
+        return demo_main(rest)
+    if command == "plan":
+        from kaisa.distributed.plan_cli import main as plan_main
+
+        return plan_main(rest)
+    print(
+        f"kaisa: unknown command {command!r}; expected 'demo' or 'plan'\n\n{_USAGE}",
+        file=sys.stderr,
+    )
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

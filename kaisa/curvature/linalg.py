@@ -1,0 +1,135 @@
+"""The matrix functions of K-FAC, as plain tensor functions (spec §3–4).
+
+Everything here reads like the equations of the spec and is checked against
+dense float64 references in ``tests/curvature``. Nothing here knows about
+modules, hooks or ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class DecompositionError(RuntimeError):
+    """A factor could not be decomposed (non-finite input or no convergence)."""
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype decompositions run in: at least float32 whatever the factor dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def fold_running_average(factor: torch.Tensor, batch: torch.Tensor, decay: float) -> None:
+    """``F ← ξ·F + (1 − ξ)·F_batch`` in place (``ξ = decay``)."""
+    factor.mul_(decay).add_(batch.to(factor.dtype), alpha=1.0 - decay)
+
+
+def symmetric_eigen(
+    factor: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``F = Q diag(λ) Qᵀ`` with ``λ`` clamped at 0; returns ``(Q, λ)`` in ``out_dtype``.
+
+    Runs in at least float32 and retries in float64 when the first attempt
+    fails to converge. Raises :class:`DecompositionError` if the factor is not
+    finite or both attempts fail, so the caller can keep its previous state.
+    """
+    if not bool(torch.isfinite(factor).all()):
+        raise DecompositionError("factor holds NaN or Inf")
+    last_error: Exception | None = None
+    for dtype in (compute_dtype(factor.dtype), torch.float64):
+        try:
+            values, vectors = torch.linalg.eigh(factor.to(dtype))
+        except RuntimeError as error:  # torch.linalg.LinAlgError is a RuntimeError
+            last_error = error
+            continue
+        if bool(torch.isfinite(values).all()) and bool(torch.isfinite(vectors).all()):
+            return vectors.to(out_dtype), values.clamp_(min=0.0).to(out_dtype)
+        last_error = DecompositionError("eigh returned non-finite values")
+    raise DecompositionError(f"eigendecomposition failed: {last_error}") from last_error
+
+
+def damped_inverse(factor: torch.Tensor, damping: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """``(F + γI)⁻¹`` via Cholesky in at least float32 (float64 on failure)."""
+    if not bool(torch.isfinite(factor).all()):
+        raise DecompositionError("factor holds NaN or Inf")
+    last_error: Exception | None = None
+    for dtype in (compute_dtype(factor.dtype), torch.float64):
+        damped = factor.to(dtype) + damping * torch.eye(
+            factor.shape[0], dtype=dtype, device=factor.device
+        )
+        chol, info = torch.linalg.cholesky_ex(damped)
+        if int(info) == 0:
+            inverse = torch.cholesky_inverse(chol)
+        else:
+            try:
+                inverse = torch.linalg.inv(damped)
+            except RuntimeError as error:
+                last_error = error
+                continue
+        if bool(torch.isfinite(inverse).all()):
+            return inverse.to(out_dtype)
+        last_error = DecompositionError("inverse has non-finite values")
+    raise DecompositionError(f"inverse failed: {last_error}") from last_error
+
+
+def eigen_outer_inverse(
+    g_values: torch.Tensor, a_values: torch.Tensor, damping: float
+) -> torch.Tensor:
+    """``1 ⊘ (λ_G λ_Aᵀ + γ)``, the matrix the eigen method divides by."""
+    return torch.outer(g_values, a_values).add_(damping).reciprocal_()
+
+
+def precondition_eigen(
+    grad: torch.Tensor,
+    qa: torch.Tensor,
+    qg: torch.Tensor,
+    da: torch.Tensor | None = None,
+    dg: torch.Tensor | None = None,
+    damping: float = 0.0,
+    outer_inverse: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The exact solve ``(G ⊗ A + γI)⁻¹ vec(∇)`` from the factors' eigenbases.
+
+    ``V = Q_Gᵀ ∇ Q_A``, ``V ← V ⊘ (λ_G λ_Aᵀ + γ)``, ``P = Q_G V Q_Aᵀ``.
+    ``grad`` is ``(g, a)``. Pass either ``outer_inverse`` (precomputed) or
+    ``da``, ``dg`` and ``damping``. Computed in the eigenbases' dtype and
+    returned in ``grad``'s dtype.
+    """
+    dtype = qa.dtype
+    v = qg.t() @ grad.to(dtype) @ qa
+    if outer_inverse is not None:
+        v.mul_(outer_inverse)
+    else:
+        if da is None or dg is None:
+            raise ValueError("precondition_eigen needs outer_inverse or both da and dg")
+        v.div_(torch.outer(dg, da).add_(damping))
+    return (qg @ v @ qa.t()).to(grad.dtype)
+
+
+def precondition_inverse(
+    grad: torch.Tensor, a_inverse: torch.Tensor, g_inverse: torch.Tensor
+) -> torch.Tensor:
+    """``P = (G + γI)⁻¹ ∇ (A + γI)⁻¹`` from precomputed damped inverses."""
+    dtype = a_inverse.dtype
+    return (g_inverse @ grad.to(dtype) @ a_inverse).to(grad.dtype)
+
+
+def kl_clip_scale(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], lr: float, kl_clip: float
+) -> float:
+    """``ν = min(1, sqrt(κ / |s|))`` with ``s = lr² Σ Σ (P ⊙ ∇)`` over ``(P, ∇)`` pairs.
+
+    ``ν = 1`` when ``s = 0``. A non-finite ``s`` gives ``ν = 1`` so that the
+    non-finite gradient reaches the optimizer (and an AMP ``GradScaler`` skips
+    the step) instead of being silently zeroed.
+    """
+    if not pairs:
+        return 1.0
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p, _ in pairs) else torch.float32
+    total = torch.stack([(p * g).sum(dtype=dtype) for p, g in pairs]).sum()
+    s = abs(float(total)) * lr * lr
+    if s == 0.0 or not math.isfinite(s):
+        return 1.0
+    return min(1.0, math.sqrt(kl_clip / s))

@@ -1,0 +1,281 @@
+"""Traffic of one KAISA plan: bucketed factor all-reduce and the two broadcasts.
+
+The communicator owns the process groups (created once, at construction, by
+every rank in the same order, as ``torch.distributed.new_group`` requires):
+one per gradient-worker column with more than one member and one per receiver
+row with more than one member. With one rank, or without an initialised
+process group, every operation is local and sends nothing.
+
+All collectives are launched asynchronously and waited for in a fixed order,
+so every rank issues the same calls on each group in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from kaisa.distributed.plan import WorkPlan
+from kaisa.telemetry import Telemetry
+
+Work = dist.Work
+
+
+def default_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default process group, or ``(0, 1)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+_TRIU_CACHE: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _triu(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (n, str(device))
+    if key not in _TRIU_CACHE:
+        rows, cols = torch.triu_indices(n, n, device=device)
+        _TRIU_CACHE[key] = (rows, cols)
+    return _TRIU_CACHE[key]
+
+
+def pack_symmetric(matrix: torch.Tensor) -> torch.Tensor:
+    """The upper triangle (diagonal included) of a symmetric matrix, row by row."""
+    rows, cols = _triu(matrix.shape[0], matrix.device)
+    return matrix[rows, cols]
+
+
+def unpack_symmetric(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_symmetric`: the full symmetric ``n × n`` matrix."""
+    rows, cols = _triu(n, packed.device)
+    out = packed.new_zeros(n, n)
+    out[rows, cols] = packed
+    out[cols, rows] = packed
+    return out
+
+
+def packed_numel(n: int, symmetric: bool) -> int:
+    return n * (n + 1) // 2 if symmetric else n * n
+
+
+@dataclass
+class _Bucket:
+    names: tuple[str, ...]
+    ready: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    work: Work | None = None
+    buffer: torch.Tensor | None = None
+
+
+class Communicator:
+    """Collectives for one :class:`~kaisa.distributed.plan.WorkPlan` on one rank.
+
+    Args:
+        plan: the work plan (shared by all ranks).
+        rank: this process's rank in the default group.
+        telemetry: where traffic is counted.
+        bucket_cap_mb: upper bound on one factor all-reduce bucket (MiB of
+            float32 payload); layers are bucketed in reverse registration order,
+            the order in which their backward hooks usually finish.
+        symmetry_aware: send only upper triangles of the factors.
+        device, dtype: where and in which dtype the factors live (for the zeros
+            sent for a layer this rank did not capture).
+    """
+
+    def __init__(
+        self,
+        plan: WorkPlan,
+        rank: int,
+        telemetry: Telemetry,
+        *,
+        bucket_cap_mb: float = 25.0,
+        symmetry_aware: bool = False,
+        device: torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.plan = plan
+        self.rank = rank
+        self.world_size = plan.world_size
+        self.telemetry = telemetry
+        self.symmetry_aware = symmetry_aware
+        self.device = device if device is not None else torch.device("cpu")
+        self.dtype = dtype
+        self.column_groups: dict[int, dist.ProcessGroup | None] = {}
+        self.row_groups: dict[int, dist.ProcessGroup | None] = {}
+        if self.world_size > 1:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError("a work plan for several ranks needs torch.distributed")
+            self._make_groups()
+        self._buckets = self._make_buckets(bucket_cap_mb)
+        self._bucket_of = {name: b for b in self._buckets for name in b.names}
+        self._sizes = {la.name: (la.a_size, la.g_size) for la in plan.layers}
+
+    # -- groups ----------------------------------------------------------------
+    def _make_groups(self) -> None:
+        plan = self.plan
+        m, cols, n = plan.grad_workers, plan.num_columns, plan.world_size
+        # Every rank creates every group, in the same order.
+        for c in range(cols):
+            ranks = plan.column_ranks(c)
+            if m == n:
+                self.column_groups[c] = dist.group.WORLD
+            elif m > 1:
+                group = dist.new_group(list(ranks))
+                if self.rank in ranks:
+                    self.column_groups[c] = group
+        for r in range(m):
+            ranks = plan.row_ranks(r)
+            if cols == n:
+                self.row_groups[r] = dist.group.WORLD
+            elif cols > 1:
+                group = dist.new_group(list(ranks))
+                if self.rank in ranks:
+                    self.row_groups[r] = group
+
+    # -- factor all-reduce -------------------------------------------------------
+    def _make_buckets(self, cap_mb: float) -> list[_Bucket]:
+        cap = max(1, int(cap_mb * 2**20 / 4))  # elements of float32 payload
+        buckets: list[_Bucket] = []
+        current: list[str] = []
+        size = 0
+        for la in reversed(self.plan.layers):
+            numel = packed_numel(la.a_size, self.symmetry_aware) + packed_numel(
+                la.g_size, self.symmetry_aware
+            )
+            if current and size + numel > cap:
+                buckets.append(_Bucket(tuple(current)))
+                current, size = [], 0
+            current.append(la.name)
+            size += numel
+        if current:
+            buckets.append(_Bucket(tuple(current)))
+        return buckets
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def submit_factors(self, name: str, a_batch: torch.Tensor, g_batch: torch.Tensor) -> None:
+        """Hand over one layer's final batch factors for this step.
+
+        The layer's bucket is all-reduced (asynchronously) as soon as all of its
+        layers are in; :meth:`reduced_factors` sends whatever is left.
+        """
+        bucket = self._bucket_of[name]
+        if bucket.work is not None or name in bucket.ready:
+            raise RuntimeError(
+                f"kaisa: factors of layer {name!r} were captured after they were sent this "
+                "step; the number of forward/backward passes per step must equal "
+                "accumulation_steps"
+            )
+        bucket.ready[name] = (a_batch, g_batch)
+        if self.distributed and len(bucket.ready) == len(bucket.names):
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        pieces: list[torch.Tensor] = []
+        for name in bucket.names:
+            a_size, g_size = self._sizes[name]
+            if name in bucket.ready:
+                a, g = bucket.ready[name]
+            else:  # not captured on this rank this step: contributes nothing
+                a = torch.zeros(a_size, a_size, device=self.device, dtype=self.dtype)
+                g = torch.zeros(g_size, g_size, device=self.device, dtype=self.dtype)
+            for matrix in (a, g):
+                pieces.append(pack_symmetric(matrix) if self.symmetry_aware else matrix.reshape(-1))
+        buffer = torch.cat(pieces)
+        with self.telemetry.timer("factor_allreduce"):
+            bucket.work = dist.all_reduce(buffer, async_op=True)
+        bucket.buffer = buffer
+        self.telemetry.count("factor_allreduce", buffer)
+
+    def reduced_factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Batch factors averaged over all ranks.
+
+        With one rank: the layers captured this step. With several: waits for
+        the launched buckets and launches the rest, in the same order on every
+        rank, so that every bucket is reduced on every factor-update step; a
+        layer not captured on a rank contributes zeros there, and one captured
+        on no rank comes back as zeros (the caller skips it). Clears the buckets.
+        """
+        result: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if not self.distributed:
+            for bucket in self._buckets:
+                result.update(bucket.ready)
+                bucket.ready = {}
+            return result
+        for bucket in self._buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+        with self.telemetry.timer("factor_allreduce"):
+            for bucket in self._buckets:
+                assert bucket.work is not None
+                bucket.work.wait()
+        for bucket in self._buckets:
+            result.update(self._unpack(bucket))
+            bucket.ready, bucket.work, bucket.buffer = {}, None, None
+        return result
+
+    def _unpack(self, bucket: _Bucket) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        assert bucket.buffer is not None
+        buffer = bucket.buffer.div_(self.world_size)
+        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        offset = 0
+        for name in bucket.names:
+            a_size, g_size = self._sizes[name]
+            matrices = []
+            for n in (a_size, g_size):
+                numel = packed_numel(n, self.symmetry_aware)
+                flat = buffer[offset : offset + numel]
+                offset += numel
+                matrices.append(
+                    unpack_symmetric(flat, n) if self.symmetry_aware else flat.view(n, n)
+                )
+            out[name] = (matrices[0], matrices[1])
+        return out
+
+    # -- broadcasts ---------------------------------------------------------------
+    def broadcast_decompositions(
+        self, items: Sequence[tuple[int, int, Sequence[torch.Tensor]]]
+    ) -> None:
+        """Broadcast decompositions inside their columns.
+
+        ``items`` holds ``(column, src_rank, tensors)`` for every layer factor
+        whose column contains this rank; a no-op when columns have one member.
+        """
+        if self.plan.grad_workers == 1:
+            return
+        works: list[Work] = []
+        with self.telemetry.timer("inverse_broadcast"):
+            for column, src, tensors in items:
+                group = self.column_groups[column]
+                for tensor in tensors:
+                    works.append(_broadcast(tensor, src, group))
+                    self.telemetry.count("inverse_broadcast", tensor)
+            for work in works:
+                work.wait()
+
+    def broadcast_gradients(self, items: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Broadcast preconditioned gradients inside this rank's row.
+
+        ``items`` holds ``(src_rank, tensor)`` per layer, in the same layer order on
+        every rank; a no-op when rows have one member (COMM-OPT).
+        """
+        if self.plan.num_columns == 1:
+            return
+        group = self.row_groups[self.plan.row_of(self.rank)]
+        works: list[Work] = []
+        with self.telemetry.timer("grad_broadcast"):
+            for src, tensor in items:
+                works.append(_broadcast(tensor, src, group))
+                self.telemetry.count("grad_broadcast", tensor)
+            for work in works:
+                work.wait()
+
+
+def _broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> Work:
+    work: Work | None = dist.broadcast(tensor, src=src, group=group, async_op=True)
+    assert work is not None
+    return work

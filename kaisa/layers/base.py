@@ -1,0 +1,124 @@
+"""What every layer handler knows: captures to factor sums, and the gradient matrix.
+
+A handler turns the input ``x`` a module saw in the forward pass and the
+gradient ``δ = ∂L/∂y`` of its output into *sums* of Kronecker-factor rows
+(``āᵀā`` and ``δᵀδ`` with the per-family scaling of spec §3) together with the
+number of rows. Sums and row counts add up across calls (weight sharing) and
+micro-batches (gradient accumulation); dividing one by the other gives the
+batch factors ``A_batch`` and ``G_batch``.
+
+Handlers know nothing of processes, ranks or schedules.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+
+class LayerHandler(ABC):
+    """Capture and gradient access for one registered module.
+
+    Attributes:
+        module: the module whose gradient is preconditioned.
+        a_size: side of the ``A`` factor (input features, +1 with a bias).
+        g_size: side of the ``G`` factor (output features).
+    """
+
+    module: nn.Module
+    a_size: int
+    g_size: int
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    @property
+    def has_bias(self) -> bool:
+        return getattr(self.module, "bias", None) is not None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        weight = self.module.weight
+        assert isinstance(weight, torch.Tensor)
+        return weight
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The parameters whose gradients this handler reads and writes."""
+        params = [self.weight]
+        if self.has_bias:
+            bias = self.module.bias
+            assert isinstance(bias, torch.Tensor)
+            params.append(bias)
+        return params
+
+    @abstractmethod
+    def a_sum(self, x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """``āᵀā`` for one call's input ``x`` (added into ``out`` when given) and its row count."""
+
+    @abstractmethod
+    def g_sum(
+        self, grad_output: torch.Tensor, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """``δᵀδ`` for one call's output gradient (added into ``out``) and its row count."""
+
+    def grad_matrix(self) -> torch.Tensor | None:
+        """The gradient as one ``(g_size, a_size)`` matrix, or ``None`` if there is none.
+
+        A layer whose weight has no gradient (it did not take part in the
+        loss) returns ``None``; one whose bias alone is missing gets zeros
+        for the bias column.
+        """
+        weight = self.weight
+        if weight.grad is None:
+            return None
+        grad = weight.grad.reshape(weight.shape[0], -1)
+        if self.has_bias:
+            bias = self.module.bias
+            assert isinstance(bias, torch.Tensor)
+            bias_grad = bias.grad if bias.grad is not None else torch.zeros_like(bias)
+            grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
+        return grad
+
+    def set_grad_matrix(self, matrix: torch.Tensor) -> None:
+        """Write a ``(g_size, a_size)`` matrix back into the parameters' ``.grad``."""
+        weight = self.weight
+        w_cols = matrix.shape[1] - (1 if self.has_bias else 0)
+        assert weight.grad is not None
+        weight.grad.copy_(matrix[:, :w_cols].reshape(weight.shape))
+        if self.has_bias:
+            bias = self.module.bias
+            assert isinstance(bias, torch.Tensor)
+            if bias.grad is None:
+                bias.grad = torch.zeros_like(bias)
+            bias.grad.copy_(matrix[:, w_cols])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.module!r}, a_size={self.a_size}, g_size={self.g_size})"
+
+
+def gram(rows: torch.Tensor, out: torch.Tensor | None, scale: float = 1.0) -> torch.Tensor:
+    """``scale · rowsᵀ rows``, accumulated into ``out`` when it is given."""
+    if out is None:
+        return torch.mm(rows.t(), rows) if scale == 1.0 else torch.mm(rows.t(), rows).mul_(scale)
+    return out.addmm_(rows.t(), rows, alpha=scale)
+
+
+def gram_with_ones(
+    rows: torch.Tensor, out: torch.Tensor | None, scale: float = 1.0
+) -> torch.Tensor:
+    """``scale · [rows | 1]ᵀ [rows | 1]`` without materialising the concatenation.
+
+    The top-left block is ``rowsᵀrows``, the last row and column hold the
+    column sums, and the corner is the row count.
+    """
+    d = rows.shape[1]
+    if out is None:
+        out = rows.new_zeros(d + 1, d + 1)
+    out[:d, :d].addmm_(rows.t(), rows, alpha=scale)
+    col_sum = rows.sum(dim=0)
+    out[:d, d].add_(col_sum, alpha=scale)
+    out[d, :d].add_(col_sum, alpha=scale)
+    out[d, d].add_(rows.shape[0] * scale)
+    return out

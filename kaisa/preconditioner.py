@@ -1,0 +1,511 @@
+"""The front door: hooks, the step schedule, and the three rooms called in order.
+
+The preconditioner registers a forward hook on every module a layer handler
+supports (:mod:`kaisa.layers`), keeps one :class:`~kaisa.curvature.KroneckerBlock`
+per layer (:mod:`kaisa.curvature`), and places work and traffic according to a
+:class:`~kaisa.distributed.WorkPlan` through a
+:class:`~kaisa.distributed.Communicator`. It holds no formula of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from kaisa.curvature import KroneckerBlock, kl_clip_scale
+from kaisa.distributed.comm import Communicator, default_world
+from kaisa.distributed.plan import LayerShape, WorkPlan, make_plan
+from kaisa.layers import LayerHandler, find_layers
+from kaisa.options import KFACOptions
+from kaisa.telemetry import Telemetry
+
+
+@dataclass
+class _Layer:
+    """Runtime state of one registered layer (captures of the current step)."""
+
+    name: str
+    handler: LayerHandler
+    block: KroneckerBlock
+    called: bool = False
+    pending: int = 0  # forward calls whose output gradient has not arrived yet
+    micro_batches: int = 0
+    a_acc: torch.Tensor | None = None
+    a_rows: int = 0
+    g_acc: torch.Tensor | None = None
+    g_rows: int = 0
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    grad_outputs: list[torch.Tensor] = field(default_factory=list)
+    submitted: bool = False
+
+    def reset(self) -> None:
+        self.called = False
+        self.pending = 0
+        self.micro_batches = 0
+        self.a_acc = self.g_acc = None
+        self.a_rows = self.g_rows = 0
+        self.inputs.clear()
+        self.grad_outputs.clear()
+        self.submitted = False
+
+    def capture_bytes(self) -> int:
+        tensors = [t for t in (self.a_acc, self.g_acc) if t is not None]
+        tensors += self.inputs + self.grad_outputs
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class KFACPreconditioner:
+    r"""K-FAC gradient preconditioning with KAISA's adaptable placement of work.
+
+    For every registered layer with gradient :math:`\nabla` (``(out, in[+1])``)
+    and Kronecker factors :math:`A \approx E[\bar a \bar a^\top]`,
+    :math:`G \approx E[\delta\delta^\top]` (running averages with decay
+    ``factor_decay``), :meth:`step` replaces the gradient by
+
+    .. math::
+        P = (G \otimes A + \gamma I)^{-1} \operatorname{vec}(\nabla)
+        \quad\text{(eigen)}\qquad
+        P = (G + \gamma I)^{-1} \nabla (A + \gamma I)^{-1} \quad\text{(inverse)}
+
+    scaled by :math:`\nu = \min(1, \sqrt{\kappa / |lr^2 \sum P \odot \nabla|})`
+    (KL clipping). It never changes weights, so any ``torch.optim`` optimizer,
+    scheduler, gradient scaler or data-parallel wrapper can follow it::
+
+        preconditioner = kaisa.KFACPreconditioner(model)
+        ...
+        loss.backward()
+        preconditioner.step()
+        optimizer.step()
+
+    Under ``torch.distributed`` (DDP or gradients averaged by the user), the
+    work is split as KAISA prescribes: ``grad_worker_fraction`` ``f`` gives
+    ``max(1, round(f·N))`` gradient workers per layer, from MEM-OPT (``1/N``)
+    to COMM-OPT (``1``).
+
+    Args:
+        model: the model (plain, or wrapped in DDP); its ``nn.Linear`` and
+            ``nn.Conv2d`` (groups = 1) layers are registered.
+        factor_update_steps: update the factors every this many steps.
+        inv_update_steps: recompute the second-order state every this many steps.
+        damping: Tikhonov damping ``γ`` (> 0).
+        factor_decay: running-average decay ``ξ`` in ``[0, 1)``.
+        kl_clip: KL-clipping bound ``κ`` (> 0), or ``None`` to turn clipping off.
+        lr: learning rate used by KL clipping (should follow the optimizer's).
+        accumulation_steps: forward/backward passes per ``step()``.
+        allreduce_bucket_cap_mb: size bound of one factor all-reduce bucket.
+        assignment_strategy: balance decompositions by 'compute' (``n³``) or
+            'memory' (``n²``).
+        colocate_factors: decompose a layer's ``A`` and ``G`` on the same rank.
+        compute_method: 'eigen' (exact solve) or 'inverse' (damped inverses).
+        compute_eigenvalue_outer_product: precompute ``1 ⊘ (λ_G λ_Aᵀ + γ)`` at
+            each inverse update (damping frozen until the next one).
+        grad_worker_fraction: float in ``[0, 1]`` (0 means ``1/N``) or
+            'comm-opt', 'hybrid-opt', 'mem-opt'.
+        symmetry_aware: all-reduce only the upper triangles of the factors.
+        grad_scaler: a ``torch.amp.GradScaler`` or a callable returning the
+            current loss scale; captured output gradients are unscaled with it.
+        factor_dtype: dtype of the captures' products and the factors (default:
+            the weights' dtype, at least float32).
+        inv_dtype: dtype of the second-order state (default float32; ``None``
+            follows the factors).
+        skip_layers: regular expressions; a module whose name or class name
+            matches one is not registered.
+        update_factors_in_hook: compute factor products inside the hooks (so the
+            all-reduce overlaps the backward pass) rather than in ``step()``.
+
+    Every numeric hyperparameter may also be a callable ``f(step) -> value``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        factor_update_steps: int | Callable[[int], int] = 1,
+        inv_update_steps: int | Callable[[int], int] = 1,
+        damping: float | Callable[[int], float] = 0.001,
+        factor_decay: float | Callable[[int], float] = 0.95,
+        kl_clip: float | Callable[[int], float] | None = 0.001,
+        lr: float | Callable[[int], float] = 0.1,
+        accumulation_steps: int = 1,
+        allreduce_bucket_cap_mb: float = 25.0,
+        assignment_strategy: str = "compute",
+        colocate_factors: bool = True,
+        compute_method: str = "eigen",
+        compute_eigenvalue_outer_product: bool = True,
+        grad_worker_fraction: float | str = "comm-opt",
+        symmetry_aware: bool = False,
+        grad_scaler: Any = None,
+        factor_dtype: torch.dtype | None = None,
+        inv_dtype: torch.dtype | None = torch.float32,
+        skip_layers: str | Iterable[str] | None = None,
+        update_factors_in_hook: bool = True,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+        skip: Any = skip_layers
+        if skip is not None and not isinstance(skip, str):
+            skip = list(skip)
+        self.options = KFACOptions(
+            factor_update_steps=factor_update_steps,
+            inv_update_steps=inv_update_steps,
+            damping=damping,
+            factor_decay=factor_decay,
+            kl_clip=kl_clip,
+            lr=lr,
+            accumulation_steps=accumulation_steps,
+            allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
+            assignment_strategy=assignment_strategy,  # type: ignore[arg-type]
+            colocate_factors=colocate_factors,
+            compute_method=compute_method,  # type: ignore[arg-type]
+            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
+            grad_worker_fraction=grad_worker_fraction,
+            symmetry_aware=symmetry_aware,
+            grad_scaler=grad_scaler,
+            factor_dtype=factor_dtype,
+            inv_dtype=inv_dtype,
+            skip_layers=skip,
+            update_factors_in_hook=update_factors_in_hook,
+        )
+        found = find_layers(model, self.options.skip_layers)
+        if not found:
+            raise ValueError(
+                f"model ({type(model).__name__}) has no layer K-FAC can precondition: kaisa "
+                "handles nn.Linear and nn.Conv2d (groups=1) whose parameters require "
+                "gradients and that skip_layers does not exclude"
+            )
+        self.model = model
+        self.rank, self.world_size = default_world()
+        self.plan: WorkPlan = make_plan(
+            [LayerShape(name, h.a_size, h.g_size) for name, h in found],
+            self.world_size,
+            self.options.grad_worker_fraction,
+            self.options.assignment_strategy,
+            self.options.colocate_factors,
+        )
+        first_weight = found[0][1].weight
+        self.device = first_weight.device
+        self.factor_dtype = self.options.factor_dtype or torch.promote_types(
+            first_weight.dtype, torch.float32
+        )
+        self.inv_dtype = self.options.inv_dtype or self.factor_dtype
+        self.telemetry = Telemetry()
+        self.comm = Communicator(
+            self.plan,
+            self.rank,
+            self.telemetry,
+            bucket_cap_mb=self.options.allreduce_bucket_cap_mb,
+            symmetry_aware=self.options.symmetry_aware,
+            device=self.device,
+            dtype=self.factor_dtype,
+        )
+        self._grad_scale = self.options.grad_scale_reader()
+        self._step_scale: float | None = None
+        self.layers: list[_Layer] = []
+        for name, handler in found:
+            block = KroneckerBlock(
+                name,
+                handler.a_size,
+                handler.g_size,
+                device=handler.weight.device,
+                factor_dtype=self.factor_dtype,
+                inv_dtype=self.inv_dtype,
+                method=self.options.compute_method,
+                eigen_outer_product=self.options.compute_eigenvalue_outer_product,
+            )
+            if self.plan.is_grad_worker(name, self.rank):
+                block.allocate_second_order()
+            self.layers.append(_Layer(name, handler, block))
+        self._handles: list[RemovableHandle] = [
+            layer.handler.module.register_forward_hook(functools.partial(self._forward_hook, layer))
+            for layer in self.layers
+        ]
+        self._steps = 0
+        self._capture_this_step = self._is_factor_step()
+        self._force_inverse_update = False
+
+    # -- hyperparameters at the current step ---------------------------------------
+    @property
+    def steps(self) -> int:
+        """Completed ``step()`` calls."""
+        return self._steps
+
+    def hyperparameter(self, name: str) -> float | None:
+        """The value of a hyperparameter at the current step (``None`` for kl_clip off)."""
+        hyper = self.options.hyper.get(name)
+        if hyper is None:
+            if name == "kl_clip":
+                return None
+            raise KeyError(f"unknown hyperparameter {name!r}")
+        return hyper.at(self._steps)
+
+    def _is_factor_step(self) -> bool:
+        return self._steps % self.options.hyper["factor_update_steps"].int_at(self._steps) == 0
+
+    def _is_inverse_step(self) -> bool:
+        return self._steps % self.options.hyper["inv_update_steps"].int_at(self._steps) == 0
+
+    # -- hooks -----------------------------------------------------------------------
+    def _forward_hook(
+        self, layer: _Layer, module: nn.Module, args: tuple[Any, ...], output: Any
+    ) -> None:
+        layer.called = True
+        if not (
+            module.training
+            and torch.is_grad_enabled()
+            and isinstance(output, torch.Tensor)
+            and output.requires_grad
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and self._capture_this_step
+        ):
+            return
+        with self.telemetry.timer("capture"), torch.autocast(self.device.type, enabled=False):
+            x = args[0].detach().to(self.factor_dtype)
+            if self.options.update_factors_in_hook:
+                with self.telemetry.timer("factor_products"):
+                    layer.a_acc, rows = layer.handler.a_sum(x, layer.a_acc)
+                layer.a_rows += rows
+            else:
+                layer.inputs.append(x)
+            layer.pending += 1
+            output.register_hook(functools.partial(self._grad_output_hook, layer))  # type: ignore[no-untyped-call]
+
+    def _grad_output_hook(self, layer: _Layer, grad: torch.Tensor) -> None:
+        with self.telemetry.timer("capture"), torch.autocast(self.device.type, enabled=False):
+            delta = grad.detach().to(self.factor_dtype)
+            if self._step_scale is None and self._grad_scale is not None:
+                self._step_scale = self._grad_scale()
+            if self.options.update_factors_in_hook:
+                with self.telemetry.timer("factor_products"):
+                    layer.g_acc, rows = layer.handler.g_sum(delta, layer.g_acc)
+                layer.g_rows += rows
+            else:
+                layer.grad_outputs.append(delta)
+            layer.pending -= 1
+            if layer.pending == 0:
+                layer.micro_batches += 1
+                if (
+                    self.comm.distributed
+                    and self.options.update_factors_in_hook
+                    and layer.micro_batches == self.options.accumulation_steps
+                ):
+                    self._submit(layer)
+
+    def _batch_factors(self, layer: _Layer) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``A_batch`` and ``G_batch`` of this step's captures, or ``None`` if there are none."""
+        handler = layer.handler
+        with self.telemetry.timer("factor_products"):
+            for x in layer.inputs:
+                layer.a_acc, rows = handler.a_sum(x, layer.a_acc)
+                layer.a_rows += rows
+            for delta in layer.grad_outputs:
+                layer.g_acc, rows = handler.g_sum(delta, layer.g_acc)
+                layer.g_rows += rows
+        layer.inputs.clear()
+        layer.grad_outputs.clear()
+        if layer.a_acc is None or layer.g_acc is None or not layer.a_rows or not layer.g_rows:
+            return None
+        # Batch-split invariance (spec §3): δ is divided by the world size, and by
+        # the loss scale under AMP, before it enters G; both are squared in δᵀδ.
+        g_scale = float(self.world_size) ** 2
+        if self._step_scale is not None:
+            g_scale *= self._step_scale**2
+        a_batch = layer.a_acc.div_(layer.a_rows)
+        g_batch = layer.g_acc.div_(layer.g_rows * g_scale)
+        return a_batch, g_batch
+
+    def _submit(self, layer: _Layer) -> None:
+        batch = self._batch_factors(layer)
+        layer.submitted = True
+        if batch is not None:
+            self.comm.submit_factors(layer.name, *batch)
+
+    # -- the step ----------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        """Precondition the gradients of the registered layers, in place.
+
+        Call after the backward pass(es) of a step and before ``optimizer.step()``.
+        """
+        try:
+            if self._capture_this_step and self.model.training:
+                self._update_factors()
+            if self._is_inverse_step() or self._force_inverse_update:
+                self._update_second_order()
+                self._force_inverse_update = False
+            self._precondition()
+        finally:
+            for layer in self.layers:
+                layer.reset()
+            self._step_scale = None
+            self._steps += 1
+            self._capture_this_step = self._is_factor_step()
+            self.telemetry.end_step()
+
+    def _update_factors(self) -> None:
+        for layer in self.layers:
+            if layer.pending:
+                warnings.warn(
+                    f"kaisa: layer {layer.name!r} ran forward without a backward pass this "
+                    "step; its unfinished captures are dropped",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                layer.pending = 0
+            if not layer.submitted:
+                self._submit(layer)
+        reduced = self.comm.reduced_factors()
+        if not reduced:
+            return
+        names = [name for name in (layer.name for layer in self.layers) if name in reduced]
+        # One host sync for all checks: finite factors, finite gradients (an AMP
+        # overflow must not reach the running averages), and captured anywhere.
+        checks = []
+        for name in names:
+            a, g = reduced[name]
+            checks.append(torch.stack([a.isfinite().all() & g.isfinite().all(), a.any()]))
+        grads = [
+            p.grad
+            for layer in self.layers
+            for p in layer.handler.parameters()
+            if p.grad is not None
+        ]
+        grads_finite = (
+            torch.stack([g.isfinite().all() for g in grads]).all()
+            if grads
+            else torch.tensor(True, device=self.device)
+        )
+        flags = torch.stack(checks).tolist()
+        if not bool(grads_finite) or not all(finite for finite, _ in flags):
+            self.telemetry.skipped_factor_updates += 1
+            return
+        decay = self.options.hyper["factor_decay"].at(self._steps)
+        by_name = {layer.name: layer for layer in self.layers}
+        for name, (_, captured) in zip(names, flags, strict=True):
+            if captured:
+                by_name[name].block.fold(*reduced[name], decay)
+
+    def _update_second_order(self) -> None:
+        damping = self.options.hyper["damping"].at(self._steps)
+        rank = self.rank
+        with self.telemetry.timer("decomposition"):
+            for layer in self.layers:
+                assignment = self.plan.layer(layer.name)
+                for which, owner in (("a", assignment.a_rank), ("g", assignment.g_rank)):
+                    if owner == rank and not layer.block.decompose(which, damping):  # type: ignore[arg-type]
+                        self.telemetry.failed_decompositions += 1
+        items = []
+        for layer in self.layers:
+            assignment = self.plan.layer(layer.name)
+            if self.plan.is_grad_worker(layer.name, rank):
+                for which, owner in (("a", assignment.a_rank), ("g", assignment.g_rank)):
+                    items.append(
+                        (assignment.column, owner, layer.block.state_tensors(which))  # type: ignore[arg-type]
+                    )
+        self.comm.broadcast_decompositions(items)
+        with self.telemetry.timer("decomposition"):
+            for layer in self.layers:
+                if self.plan.is_grad_worker(layer.name, rank):
+                    layer.block.finish_update(damping)
+
+    def _precondition(self) -> None:
+        damping = self.options.hyper["damping"].at(self._steps)
+        rank = self.rank
+        pairs: list[tuple[_Layer, torch.Tensor, torch.Tensor]] = []
+        sends: list[tuple[int, torch.Tensor]] = []
+        with self.telemetry.timer("precondition"):
+            for layer in self.layers:
+                if not layer.called:
+                    continue  # not used this step: the raw gradient stays
+                grad = layer.handler.grad_matrix()
+                if grad is None:
+                    continue
+                if self.plan.is_grad_worker(layer.name, rank):
+                    preconditioned = layer.block.precondition(grad, damping)
+                else:
+                    preconditioned = torch.empty_like(grad)
+                pairs.append((layer, preconditioned, grad))
+                sends.append((self.plan.gradient_source(layer.name, rank), preconditioned))
+        self.comm.broadcast_gradients(sends)
+        scale = 1.0
+        kl_clip = self.hyperparameter("kl_clip")
+        if kl_clip is not None:
+            with self.telemetry.timer("kl_clip"):
+                lr = self.options.hyper["lr"].at(self._steps)
+                scale = kl_clip_scale([(p, g) for _, p, g in pairs], lr, kl_clip)
+        with self.telemetry.timer("precondition"):
+            for layer, preconditioned, _ in pairs:
+                if scale != 1.0:
+                    preconditioned.mul_(scale)
+                layer.handler.set_grad_matrix(preconditioned)
+
+    # -- inspection, checkpoints, teardown ------------------------------------------------
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes held on this rank: factors, second-order state, current captures, total."""
+        usage = {
+            "factors": sum(layer.block.factor_bytes() for layer in self.layers),
+            "second_order": sum(layer.block.second_order_bytes() for layer in self.layers),
+            "captures": sum(layer.capture_bytes() for layer in self.layers),
+        }
+        usage["total"] = sum(usage.values())
+        return usage
+
+    def state_dict(self) -> dict[str, Any]:
+        """All that is needed to continue bit-identically: steps, factors, second-order state."""
+        return {
+            "steps": self._steps,
+            "world_size": self.world_size,
+            "grad_workers": self.plan.grad_workers,
+            "layers": {layer.name: layer.block.state_dict() for layer in self.layers},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`.
+
+        Layers are matched by name. If the checkpoint was written under a
+        different placement (world size or fraction), second-order state is
+        recomputed from the factors at the next ``step()``.
+        """
+        if not isinstance(state_dict, dict) or "layers" not in state_dict:
+            raise ValueError("state_dict is not a KFACPreconditioner state dict")
+        layers = state_dict["layers"]
+        names = {layer.name for layer in self.layers}
+        missing, unexpected = names - set(layers), set(layers) - names
+        if missing or unexpected:
+            raise ValueError(
+                "state_dict layers do not match the registered layers: "
+                f"missing {sorted(missing)}, unexpected {sorted(unexpected)}"
+            )
+        same_plan = (
+            state_dict.get("world_size") == self.world_size
+            and state_dict.get("grad_workers") == self.plan.grad_workers
+        )
+        for layer in self.layers:
+            saved = dict(layers[layer.name])
+            if not same_plan:
+                saved.pop("second_order", None)
+                saved.pop("outer_inverse", None)
+            layer.block.load_state_dict(saved)
+        self._steps = int(state_dict["steps"])
+        self._capture_this_step = self._is_factor_step()
+        self._force_inverse_update = not same_plan
+
+    def remove_hooks(self) -> None:
+        """Detach from the model (the preconditioner can no longer capture)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __repr__(self) -> str:
+        hyper = ", ".join(repr(h) for h in self.options.hyper.values())
+        return (
+            f"KFACPreconditioner({len(self.layers)} layers, world_size={self.world_size}, "
+            f"grad_workers={self.plan.grad_workers}, {hyper}, kl_clip={self.options.kl_clip!r})"
+        )

@@ -1,0 +1,102 @@
+"""What the preconditioner did: time per phase, elements and bytes sent, skips.
+
+Timers use the host clock. On an accelerator the host runs ahead of the
+device, so per-phase times there are launch times unless ``synchronize`` is
+set, which waits for the device at each phase boundary (slower; for profiling).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+#: Phases timed by the preconditioner.
+PHASES = (
+    "capture",
+    "factor_products",
+    "factor_allreduce",
+    "decomposition",
+    "inverse_broadcast",
+    "precondition",
+    "grad_broadcast",
+    "kl_clip",
+)
+
+#: Kinds of collective whose traffic is counted.
+COLLECTIVES = ("factor_allreduce", "inverse_broadcast", "grad_broadcast")
+
+
+class Telemetry:
+    """Cumulative counters since the last :meth:`reset`, plus the last step's traffic.
+
+    Attributes:
+        phase_seconds: seconds spent per phase (see :data:`PHASES`).
+        elements: elements passed to collectives this rank took part in, per kind.
+        bytes: the same in bytes.
+        calls: number of collective calls per kind.
+        last_step_elements: ``elements`` of the most recent ``step()`` only.
+        steps: ``step()`` calls counted.
+        skipped_factor_updates: factor updates dropped because of NaN/Inf.
+        failed_decompositions: decompositions that failed (state kept).
+    """
+
+    def __init__(self, synchronize: bool = False) -> None:
+        self.synchronize = synchronize
+        self.reset()
+
+    def reset(self) -> None:
+        self.phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self.elements: dict[str, int] = dict.fromkeys(COLLECTIVES, 0)
+        self.bytes: dict[str, int] = dict.fromkeys(COLLECTIVES, 0)
+        self.calls: dict[str, int] = dict.fromkeys(COLLECTIVES, 0)
+        self.last_step_elements: dict[str, int] = dict.fromkeys(COLLECTIVES, 0)
+        self._step_elements: defaultdict[str, int] = defaultdict(int)
+        self.steps = 0
+        self.skipped_factor_updates = 0
+        self.failed_decompositions = 0
+
+    @contextmanager
+    def timer(self, phase: str, device: torch.device | None = None) -> Iterator[None]:
+        """Add the time spent inside the block to ``phase_seconds[phase]``."""
+        sync = self.synchronize and device is not None and device.type != "cpu"
+        if sync:
+            torch.accelerator.synchronize(device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if sync:
+                torch.accelerator.synchronize(device)
+            self.phase_seconds[phase] = (
+                self.phase_seconds.get(phase, 0.0) + time.perf_counter() - start
+            )
+
+    def count(self, kind: str, tensor: torch.Tensor) -> None:
+        """Record one collective call of ``kind`` on ``tensor``."""
+        numel = tensor.numel()
+        self.elements[kind] += numel
+        self.bytes[kind] += numel * tensor.element_size()
+        self.calls[kind] += 1
+        self._step_elements[kind] += numel
+
+    def end_step(self) -> None:
+        self.last_step_elements = {kind: self._step_elements[kind] for kind in COLLECTIVES}
+        self._step_elements.clear()
+        self.steps += 1
+
+    def summary(self) -> dict[str, object]:
+        """A JSON-friendly snapshot of every counter."""
+        return {
+            "steps": self.steps,
+            "phase_seconds": dict(self.phase_seconds),
+            "elements": dict(self.elements),
+            "bytes": dict(self.bytes),
+            "calls": dict(self.calls),
+            "last_step_elements": dict(self.last_step_elements),
+            "skipped_factor_updates": self.skipped_factor_updates,
+            "failed_decompositions": self.failed_decompositions,
+        }
