@@ -9,13 +9,44 @@ Two lines in an existing training loop::
     optimizer.step()
 """
 
-from kaisa.curvature import DecompositionError
-from kaisa.distributed import LayerShape, WorkPlan, make_plan
-from kaisa.layers import LayerHandler, register_handler
-from kaisa.preconditioner import KFACPreconditioner
-from kaisa.telemetry import Telemetry
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kaisa.curvature import DecompositionError
+    from kaisa.distributed import LayerShape, WorkPlan, make_plan
+    from kaisa.layers import LayerHandler, register_handler
+    from kaisa.preconditioner import KFACPreconditioner
+    from kaisa.telemetry import Telemetry
 
 __version__ = "0.1.0"
+
+# Imported on first use so that `kaisa plan` (and anything else that needs only
+# the pure-Python planning code) does not pay for importing torch.
+_LAZY = {
+    "DecompositionError": "kaisa.curvature",
+    "KFACPreconditioner": "kaisa.preconditioner",
+    "LayerHandler": "kaisa.layers",
+    "LayerShape": "kaisa.distributed.plan",
+    "Telemetry": "kaisa.telemetry",
+    "WorkPlan": "kaisa.distributed.plan",
+    "make_plan": "kaisa.distributed.plan",
+    "register_handler": "kaisa.layers",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
 
 __all__ = [
     "DecompositionError",

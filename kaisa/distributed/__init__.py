@@ -1,6 +1,10 @@
 """Placement and traffic: the KAISA work plan and the communicator."""
 
-from kaisa.distributed.comm import Communicator, default_world
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from kaisa.distributed.plan import (
     LayerAssignment,
     LayerShape,
@@ -8,6 +12,9 @@ from kaisa.distributed.plan import (
     make_plan,
     resolve_grad_workers,
 )
+
+if TYPE_CHECKING:
+    from kaisa.distributed.comm import Communicator, default_world
 
 __all__ = [
     "Communicator",
@@ -18,3 +25,12 @@ __all__ = [
     "make_plan",
     "resolve_grad_workers",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The communicator needs torch; the plan does not (see `kaisa plan`).
+    if name in ("Communicator", "default_world"):
+        value = getattr(importlib.import_module("kaisa.distributed.comm"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -55,6 +55,7 @@ def find_layers(
 ) -> list[tuple[str, LayerHandler]]:
     """Every module of ``model`` that kaisa preconditions, with its qualified name.
 
+    The root module, if it is itself a layer, is named by its class name.
     A module is left out when its name or class name matches one of the
     ``skip_layers`` regular expressions (``re.search``), when none of its
     parameters requires a gradient, or when no handler supports it (a
@@ -85,5 +86,5 @@ def find_layers(
         if not all(p.requires_grad for p in handler.parameters()):
             # A frozen weight (or bias) cannot be preconditioned as one matrix.
             continue
-        found.append((name, handler))
+        found.append((name or class_name, handler))
     return found

@@ -1,0 +1,374 @@
+"""The KAISA cost model (spec §5): memory held and elements sent, per rank.
+
+Pure functions of a :class:`~kaisa.distributed.plan.WorkPlan`; nothing here
+starts a process, so the cost of any world size can be printed in advance.
+
+Units are *elements* (multiply by the element size for bytes). Communication
+is counted per rank as the sum, over the collective calls the rank takes part
+in, of the number of elements of the tensor passed to the call (the root of a
+broadcast and its receivers all count the whole tensor). For a layer whose
+factors have sides ``a`` (input side) and ``g`` (output side):
+
+* **factor all-reduce**, per factor-update step, every rank, only when
+  ``N > 1``: ``Σ (a² + g²)``, or ``Σ (a(a+1)/2 + g(g+1)/2)`` with
+  ``symmetry_aware`` (upper triangles only);
+* **inverse broadcast**, per inverse-update step, only for the layers whose
+  gradient-worker column contains the rank, only when ``m > 1``: eigen
+  method ``a² + a + g² + g`` (eigenvectors and eigenvalues of both factors;
+  the outer product is formed after the broadcast), inverse method
+  ``a² + g²``;
+* **gradient broadcast**, every step, only when ``m < N``: ``Σ a·g`` over all
+  layers (each rank takes part in one broadcast per layer, in its row).
+
+Memory: the factors of every layer, ``Σ (a² + g²)``, on every rank; the
+second-order state only for the layers of the rank's column: eigen
+``a² + g² + a + g``, or ``a² + g² + a + g + a·g`` with the precomputed
+eigenvalue outer product; inverse ``a² + g²``. (The spec counts ``a² + g² + a·g``
+for the outer product; kaisa also keeps the ``a + g`` eigenvalues so that a
+failed decomposition leaves a consistent eigenbasis and spectrum to fall back
+on, on every gradient worker alike.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from kaisa.distributed.plan import LayerAssignment, WorkPlan
+
+ComputeMethod = Literal["eigen", "inverse"]
+
+__all__ = [
+    "ComputeMethod",
+    "CostSummary",
+    "MaxMean",
+    "RankMemory",
+    "RankTraffic",
+    "factor_allreduce_elements",
+    "factor_elements",
+    "grad_broadcast_elements",
+    "inverse_broadcast_elements",
+    "rank_memory",
+    "rank_traffic",
+    "second_order_elements",
+    "summarize",
+]
+
+
+def _check_method(compute_method: str) -> None:
+    if compute_method not in ("eigen", "inverse"):
+        raise ValueError(f"compute_method must be 'eigen' or 'inverse', got {compute_method!r}")
+
+
+def _check_interval(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+# --- per-layer element counts ----------------------------------------------------------------
+
+
+def factor_elements(a: int, g: int) -> int:
+    """Elements of one layer's two Kronecker factors, ``a² + g²``."""
+    return a * a + g * g
+
+
+def second_order_elements(
+    a: int, g: int, compute_method: ComputeMethod = "eigen", eigen_outer_product: bool = True
+) -> int:
+    """Elements of one layer's second-order state on one of its gradient workers."""
+    _check_method(compute_method)
+    if compute_method == "inverse":
+        return a * a + g * g
+    if eigen_outer_product:
+        return a * a + g * g + a + g + a * g
+    return a * a + g * g + a + g
+
+
+def factor_allreduce_elements(a: int, g: int, symmetry_aware: bool = False) -> int:
+    """Elements one layer contributes to the factor all-reduce."""
+    if symmetry_aware:
+        return a * (a + 1) // 2 + g * (g + 1) // 2
+    return a * a + g * g
+
+
+def inverse_broadcast_elements(a: int, g: int, compute_method: ComputeMethod = "eigen") -> int:
+    """Elements of one layer's decomposition broadcasts (A's and G's together)."""
+    _check_method(compute_method)
+    if compute_method == "inverse":
+        return a * a + g * g
+    return a * a + a + g * g + g
+
+
+def grad_broadcast_elements(a: int, g: int) -> int:
+    """Elements of one layer's preconditioned-gradient broadcast, ``a·g``."""
+    return a * g
+
+
+# --- per rank ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Elements one rank holds: Kronecker factors and second-order state."""
+
+    factors: int
+    second_order: int
+
+    @property
+    def total(self) -> int:
+        return self.factors + self.second_order
+
+
+@dataclass(frozen=True)
+class RankTraffic:
+    """Elements one rank passes to collectives, by kind.
+
+    ``factor_allreduce`` is per factor-update step, ``inverse_broadcast`` per
+    inverse-update step and ``grad_broadcast`` per step.
+    """
+
+    factor_allreduce: int
+    inverse_broadcast: int
+    grad_broadcast: int
+
+    def per_step(self, factor_update_steps: int = 1, inv_update_steps: int = 1) -> float:
+        """Average elements per step when factors update every ``factor_update_steps``
+        steps and second-order state every ``inv_update_steps`` steps."""
+        _check_interval("factor_update_steps", factor_update_steps)
+        _check_interval("inv_update_steps", inv_update_steps)
+        return (
+            self.factor_allreduce / factor_update_steps
+            + self.inverse_broadcast / inv_update_steps
+            + self.grad_broadcast
+        )
+
+
+def _check_rank(plan: WorkPlan, rank: int) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < plan.world_size:
+        raise ValueError(f"rank must be an integer in [0, {plan.world_size}), got {rank!r}")
+
+
+def _column_layers(plan: WorkPlan, column: int) -> list[LayerAssignment]:
+    return [la for la in plan.layers if la.column == column]
+
+
+def _memory(
+    factors: int,
+    own: Iterable[LayerAssignment],
+    compute_method: ComputeMethod,
+    eigen_outer_product: bool,
+) -> RankMemory:
+    """Memory of a rank whose column owns ``own``, given the plan's factor total."""
+    return RankMemory(
+        factors=factors,
+        second_order=sum(
+            second_order_elements(la.a_size, la.g_size, compute_method, eigen_outer_product)
+            for la in own
+        ),
+    )
+
+
+def _traffic(
+    plan: WorkPlan,
+    allreduce: int,
+    grad: int,
+    own: Iterable[LayerAssignment],
+    compute_method: ComputeMethod,
+) -> RankTraffic:
+    """Traffic of a rank whose column owns ``own``, given the plan's all-reduce and
+    gradient-broadcast totals (which every rank shares)."""
+    n, m = plan.world_size, plan.grad_workers
+    inverse_broadcast = (
+        sum(inverse_broadcast_elements(la.a_size, la.g_size, compute_method) for la in own)
+        if m > 1
+        else 0
+    )
+    return RankTraffic(
+        factor_allreduce=allreduce if n > 1 else 0,
+        inverse_broadcast=inverse_broadcast,
+        grad_broadcast=grad if m < n else 0,
+    )
+
+
+def _factor_total(plan: WorkPlan) -> int:
+    return sum(factor_elements(la.a_size, la.g_size) for la in plan.layers)
+
+
+def _allreduce_total(plan: WorkPlan, symmetry_aware: bool) -> int:
+    return sum(
+        factor_allreduce_elements(la.a_size, la.g_size, symmetry_aware) for la in plan.layers
+    )
+
+
+def _grad_total(plan: WorkPlan) -> int:
+    return sum(grad_broadcast_elements(la.a_size, la.g_size) for la in plan.layers)
+
+
+def rank_memory(
+    plan: WorkPlan,
+    rank: int,
+    compute_method: ComputeMethod = "eigen",
+    eigen_outer_product: bool = True,
+) -> RankMemory:
+    """Elements ``rank`` holds under ``plan``.
+
+    ``eigen_outer_product`` (``compute_eigenvalue_outer_product``) only
+    matters for the eigen method.
+    """
+    _check_method(compute_method)
+    _check_rank(plan, rank)
+    own = _column_layers(plan, plan.column_of(rank))
+    return _memory(_factor_total(plan), own, compute_method, eigen_outer_product)
+
+
+def rank_traffic(
+    plan: WorkPlan,
+    rank: int,
+    compute_method: ComputeMethod = "eigen",
+    symmetry_aware: bool = False,
+) -> RankTraffic:
+    """Elements ``rank`` passes to each kind of collective under ``plan``."""
+    _check_method(compute_method)
+    _check_rank(plan, rank)
+    own = _column_layers(plan, plan.column_of(rank))
+    return _traffic(
+        plan, _allreduce_total(plan, symmetry_aware), _grad_total(plan), own, compute_method
+    )
+
+
+# --- over all ranks ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MaxMean:
+    """The largest value over the ranks and the mean over the ranks."""
+
+    max: float
+    mean: float
+
+    @staticmethod
+    def of(values: Sequence[float]) -> MaxMean:
+        """Max and mean of one value per rank (or per group of equally many ranks)."""
+        if not values:
+            raise ValueError("MaxMean.of needs at least one value")
+        return MaxMean(max=max(values), mean=sum(values) / len(values))
+
+    def scaled(self, factor: float) -> MaxMean:
+        return MaxMean(self.max * factor, self.mean * factor)
+
+
+@dataclass(frozen=True)
+class CostSummary:
+    """The cost model of one plan, summarised over the ranks (elements).
+
+    ``factor_allreduce`` is per factor-update step, ``inverse_broadcast`` per
+    inverse-update step, ``grad_broadcast`` per step and ``per_step`` the
+    average per step given ``factor_update_steps`` and ``inv_update_steps``.
+    ``imbalance`` is the largest rank's decomposition cost (``n³``) over the
+    mean.
+    """
+
+    world_size: int
+    grad_workers: int
+    strategy_name: str
+    compute_method: ComputeMethod
+    eigen_outer_product: bool
+    symmetry_aware: bool
+    factor_update_steps: int
+    inv_update_steps: int
+    factors: MaxMean
+    second_order: MaxMean
+    memory_total: MaxMean
+    factor_allreduce: MaxMean
+    inverse_broadcast: MaxMean
+    grad_broadcast: MaxMean
+    per_step: MaxMean
+    imbalance: float
+
+    @property
+    def fraction(self) -> float:
+        """The gradient-worker fraction ``m / N``."""
+        return self.grad_workers / self.world_size
+
+    def to_dict(self, bytes_per_element: int = 4) -> dict[str, object]:
+        """A JSON-ready view; memory also in MB (10⁶ bytes) at ``bytes_per_element``."""
+
+        def mm(x: MaxMean, scale: float = 1.0) -> dict[str, float]:
+            return {"max": x.max * scale, "mean": x.mean * scale}
+
+        mb = bytes_per_element / 1e6
+        return {
+            "world_size": self.world_size,
+            "grad_workers": self.grad_workers,
+            "fraction": self.fraction,
+            "strategy": self.strategy_name,
+            "compute_method": self.compute_method,
+            "eigen_outer_product": self.eigen_outer_product,
+            "symmetry_aware": self.symmetry_aware,
+            "factor_update_steps": self.factor_update_steps,
+            "inv_update_steps": self.inv_update_steps,
+            "memory_elements": {
+                "factors": mm(self.factors),
+                "second_order": mm(self.second_order),
+                "total": mm(self.memory_total),
+            },
+            "memory_mb": {
+                "bytes_per_element": bytes_per_element,
+                "factors": mm(self.factors, mb),
+                "second_order": mm(self.second_order, mb),
+                "total": mm(self.memory_total, mb),
+            },
+            "elements_sent": {
+                "factor_allreduce_per_factor_update": mm(self.factor_allreduce),
+                "inverse_broadcast_per_inverse_update": mm(self.inverse_broadcast),
+                "grad_broadcast_per_step": mm(self.grad_broadcast),
+                "average_per_step": mm(self.per_step),
+            },
+            "imbalance": self.imbalance,
+        }
+
+
+def summarize(
+    plan: WorkPlan,
+    compute_method: ComputeMethod = "eigen",
+    eigen_outer_product: bool = True,
+    symmetry_aware: bool = False,
+    factor_update_steps: int = 1,
+    inv_update_steps: int = 1,
+) -> CostSummary:
+    """Max and mean over the ranks of every quantity of the cost model.
+
+    Ranks of the same column hold and send exactly the same, and every column
+    has ``m`` ranks, so the statistics are taken over the columns: the work is
+    ``O(layers + columns)`` whatever the world size.
+    """
+    _check_method(compute_method)
+    _check_interval("factor_update_steps", factor_update_steps)
+    _check_interval("inv_update_steps", inv_update_steps)
+    own: list[list[LayerAssignment]] = [[] for _ in range(plan.num_columns)]
+    for la in plan.layers:
+        own[la.column].append(la)
+    factors = _factor_total(plan)
+    allreduce, grad = _allreduce_total(plan, symmetry_aware), _grad_total(plan)
+    memory = [_memory(factors, layers, compute_method, eigen_outer_product) for layers in own]
+    traffic = [_traffic(plan, allreduce, grad, layers, compute_method) for layers in own]
+    return CostSummary(
+        world_size=plan.world_size,
+        grad_workers=plan.grad_workers,
+        strategy_name=plan.strategy_name,
+        compute_method=compute_method,
+        eigen_outer_product=eigen_outer_product,
+        symmetry_aware=symmetry_aware,
+        factor_update_steps=factor_update_steps,
+        inv_update_steps=inv_update_steps,
+        factors=MaxMean.of([x.factors for x in memory]),
+        second_order=MaxMean.of([x.second_order for x in memory]),
+        memory_total=MaxMean.of([x.total for x in memory]),
+        factor_allreduce=MaxMean.of([t.factor_allreduce for t in traffic]),
+        inverse_broadcast=MaxMean.of([t.inverse_broadcast for t in traffic]),
+        grad_broadcast=MaxMean.of([t.grad_broadcast for t in traffic]),
+        per_step=MaxMean.of([t.per_step(factor_update_steps, inv_update_steps) for t in traffic]),
+        imbalance=plan.imbalance(),
+    )

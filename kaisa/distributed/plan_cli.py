@@ -1,0 +1,336 @@
+"""``kaisa plan``: the KAISA work plan and cost model for a model and a world size.
+
+For each gradient-worker fraction it prints the memory each rank holds
+(Kronecker factors and second-order state, max and mean over the ranks), the
+elements each rank sends by kind, their average per step, and the load
+imbalance (the largest rank's decomposition cost over the mean). Nothing is
+started: the plan is a pure function of the layer shapes, so any world size
+can be examined before renting machines. ResNet-50 and BERT shapes are
+written down (no torch import); the networks of ``kaisa.models`` are built
+on the CPU to read their shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import NoReturn, cast
+
+from kaisa.distributed.cost import ComputeMethod, CostSummary, summarize
+from kaisa.distributed.layer_shapes import SHAPE_MODELS, module_layer_shapes
+from kaisa.distributed.plan import (
+    AssignmentStrategy,
+    FractionSpec,
+    LayerShape,
+    WorkPlan,
+    make_plan,
+    resolve_grad_workers,
+)
+
+__all__ = ["default_grad_workers", "main", "model_shapes", "parse_fraction"]
+
+_PROG = "kaisa plan"
+_BYTES_PER_ELEMENT = 4  # float32
+_MAX_DEFAULT_ROWS = 12
+
+
+class _UsageError(Exception):
+    """A bad command line; reported as one line and exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(message)
+
+
+def parse_fraction(text: str) -> FractionSpec:
+    """A ``--fraction`` value: a name ('mem-opt', ...), a float, or ``p/q``."""
+    key = text.strip().lower()
+    if key in ("comm-opt", "hybrid-opt", "mem-opt"):
+        return key
+    try:
+        value = float(Fraction(key))
+    except (ValueError, ZeroDivisionError):
+        raise _UsageError(
+            f"argument --fraction: expected a number in [0, 1], a ratio such as 1/4, or one of "
+            f"'comm-opt', 'hybrid-opt', 'mem-opt'; got {text!r}"
+        ) from None
+    return value
+
+
+def default_grad_workers(world_size: int) -> list[int]:
+    """Gradient workers per layer to show when no ``--fraction`` is given.
+
+    Every divisor of the world size when there are at most 12; otherwise
+    MEM-OPT (1), HYBRID-OPT (N/2), COMM-OPT (N) and divisors spread evenly
+    on a log scale in between.
+    """
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    if len(divisors) <= _MAX_DEFAULT_ROWS:
+        return divisors
+    chosen = {1, world_size}
+    if world_size % 2 == 0:
+        chosen.add(world_size // 2)
+    slots = _MAX_DEFAULT_ROWS - len(chosen)
+    for k in range(1, slots + 1):
+        target = world_size ** (k / (slots + 1))
+        chosen.add(min(divisors, key=lambda d: (abs(d / target - 1), d)))
+    return sorted(chosen)
+
+
+def model_shapes(name: str) -> list[LayerShape]:
+    """Layer shapes of ``name``: a written-down model or one of ``kaisa.models``."""
+    if name in SHAPE_MODELS:
+        return SHAPE_MODELS[name]()
+    try:
+        import kaisa.models as models
+    except ImportError:
+        model_names: tuple[str, ...] = ()
+    else:
+        model_names = models.MODEL_NAMES
+        if name in model_names:
+            return module_layer_shapes(models.build_model(name))
+    allowed = ", ".join([*SHAPE_MODELS, *model_names])
+    raise _UsageError(f"argument --model: unknown model {name!r}; choose from {allowed}")
+
+
+def _parser() -> _Parser:
+    p = _Parser(
+        prog=_PROG,
+        description=(
+            "Print the KAISA work plan and cost model for a model and a world size: memory "
+            "per rank, elements sent per step by kind, and the load imbalance, for each "
+            "gradient-worker fraction. Memory is in MB (10^6 bytes) of float32; traffic is "
+            "in elements per rank."
+        ),
+    )
+    p.add_argument(
+        "--model",
+        default="resnet50",
+        help="resnet50, bert-large, bert-base, or a kaisa.models name such as resnet20, "
+        "resnet32, small_cnn, gap_cnn, transformer (default: resnet50)",
+    )
+    p.add_argument("--world-size", type=int, required=True, metavar="N", help="number of ranks")
+    p.add_argument(
+        "--fraction",
+        action="append",
+        type=str,
+        metavar="F",
+        help="gradient-worker fraction: a number in [0, 1] (0 means 1/N), a ratio such as "
+        "1/4, or comm-opt, hybrid-opt, mem-opt; repeatable (default: every fraction the world "
+        "size allows if there are few, otherwise a spread from mem-opt to comm-opt)",
+    )
+    p.add_argument(
+        "--assignment-strategy",
+        choices=("compute", "memory"),
+        default="compute",
+        help="balance decomposition time (n^3) or memory (n^2) (default: compute)",
+    )
+    p.add_argument(
+        "--no-colocate",
+        dest="colocate",
+        action="store_false",
+        help="let different ranks decompose a layer's A and G",
+    )
+    p.add_argument(
+        "--symmetry-aware",
+        action="store_true",
+        help="all-reduce only the upper triangles of the factors",
+    )
+    p.add_argument("--compute-method", choices=("eigen", "inverse"), default="eigen")
+    p.add_argument(
+        "--no-eigen-outer-product",
+        dest="eigen_outer_product",
+        action="store_false",
+        help="do not keep the precomputed eigenvalue outer product (eigen method)",
+    )
+    p.add_argument("--factor-update-steps", type=int, default=10, metavar="K")
+    p.add_argument("--inv-update-steps", type=int, default=100, metavar="K")
+    p.add_argument(
+        "--show-plan",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="F",
+        help="also print the per-layer placement for fraction F (default: the first listed)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    return p
+
+
+def _fraction_label(m: int, n: int) -> str:
+    f = Fraction(m, n)
+    return str(f.numerator) if f.denominator == 1 else f"{f.numerator}/{f.denominator}"
+
+
+def _human(x: float) -> str:
+    """Compact count: 1234567 -> '1.23M'."""
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}" if x != int(x) else str(int(x))
+
+
+def _tables(summaries: Sequence[CostSummary]) -> str:
+    mb = _BYTES_PER_ELEMENT / 1e6
+    mem_head = (
+        f"{'m':>6} {'fraction':>9} {'strategy':<10} | {'factors':>9} {'2nd max':>9} "
+        f"{'2nd mean':>9} {'total max':>10}"
+    )
+    comm_head = (
+        f"{'m':>6} {'fraction':>9} | {'factor AR':>9} {'inv bc max':>10} {'inv bc mean':>11} "
+        f"{'grad bc':>9} | {'avg/step max':>12} {'avg/step mean':>13} | {'imbalance':>9}"
+    )
+    lines = ["memory per rank, MB of float32", mem_head, "-" * len(mem_head)]
+    for s in summaries:
+        lines.append(
+            f"{s.grad_workers:>6} {_fraction_label(s.grad_workers, s.world_size):>9} "
+            f"{s.strategy_name:<10} | {s.factors.max * mb:>9.2f} {s.second_order.max * mb:>9.2f} "
+            f"{s.second_order.mean * mb:>9.2f} {s.memory_total.max * mb:>10.2f}"
+        )
+    lines += [
+        "",
+        "elements sent per rank: factor all-reduce per factor update, inverse broadcast per "
+        "inverse update, gradient broadcast per step; average per step",
+        comm_head,
+        "-" * len(comm_head),
+    ]
+    for s in summaries:
+        lines.append(
+            f"{s.grad_workers:>6} {_fraction_label(s.grad_workers, s.world_size):>9} | "
+            f"{_human(s.factor_allreduce.max):>9} {_human(s.inverse_broadcast.max):>10} "
+            f"{_human(s.inverse_broadcast.mean):>11} {_human(s.grad_broadcast.max):>9} | "
+            f"{_human(s.per_step.max):>12} {_human(s.per_step.mean):>13} | "
+            f"{s.imbalance:>9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def _plan_json(plan: WorkPlan) -> dict[str, object]:
+    return {
+        "world_size": plan.world_size,
+        "grad_workers": plan.grad_workers,
+        "num_columns": plan.num_columns,
+        "layers": [
+            {
+                "name": la.name,
+                "a_size": la.a_size,
+                "g_size": la.g_size,
+                "column": la.column,
+                "a_rank": la.a_rank,
+                "g_rank": la.g_rank,
+            }
+            for la in plan.layers
+        ],
+    }
+
+
+def _run(argv: Sequence[str]) -> int:
+    args = _parser().parse_args(list(argv))
+    n: int = args.world_size
+    if n < 1:
+        raise _UsageError(f"argument --world-size: must be a positive integer, got {n}")
+    for opt in ("factor_update_steps", "inv_update_steps"):
+        if getattr(args, opt) < 1:
+            flag = "--" + opt.replace("_", "-")
+            raise _UsageError(
+                f"argument {flag}: must be a positive integer, got {getattr(args, opt)}"
+            )
+
+    shapes = model_shapes(args.model)
+    if args.fraction:
+        ms: list[int] = []
+        for text in args.fraction:
+            m = resolve_grad_workers(parse_fraction(text), n)
+            if m not in ms:
+                ms.append(m)
+    else:
+        ms = default_grad_workers(n)
+    show_m: int | None = None
+    if args.show_plan is not None:
+        show_m = (
+            resolve_grad_workers(parse_fraction(args.show_plan), n) if args.show_plan else ms[0]
+        )
+
+    strategy = cast(AssignmentStrategy, args.assignment_strategy)
+    method = cast(ComputeMethod, args.compute_method)
+    plans: dict[int, WorkPlan] = {}
+    summaries = []
+    for m in sorted(set(ms) | ({show_m} if show_m is not None else set())):
+        plans[m] = make_plan(shapes, n, m / n, strategy, args.colocate)
+    for m in ms:
+        summaries.append(
+            summarize(
+                plans[m],
+                compute_method=method,
+                eigen_outer_product=args.eigen_outer_product,
+                symmetry_aware=args.symmetry_aware,
+                factor_update_steps=args.factor_update_steps,
+                inv_update_steps=args.inv_update_steps,
+            )
+        )
+
+    settings = {
+        "model": args.model,
+        "num_layers": len(shapes),
+        "world_size": n,
+        "assignment_strategy": strategy,
+        "colocate_factors": args.colocate,
+        "compute_method": method,
+        "eigen_outer_product": args.eigen_outer_product,
+        "symmetry_aware": args.symmetry_aware,
+        "factor_update_steps": args.factor_update_steps,
+        "inv_update_steps": args.inv_update_steps,
+    }
+    if args.json:
+        out: dict[str, object] = {
+            **settings,
+            "fractions": [s.to_dict(_BYTES_PER_ELEMENT) for s in summaries],
+        }
+        if show_m is not None:
+            out["plan"] = _plan_json(plans[show_m])
+        print(json.dumps(out, indent=2))
+        return 0
+
+    print(
+        f"{args.model}: {len(shapes)} K-FAC layers, world size {n}, "
+        f"assignment_strategy={strategy!r}, colocate_factors={args.colocate}, "
+        f"compute_method={method!r}"
+        + (f", eigen_outer_product={args.eigen_outer_product}" if method == "eigen" else "")
+        + f", symmetry_aware={args.symmetry_aware}, factor_update_steps="
+        f"{args.factor_update_steps}, inv_update_steps={args.inv_update_steps}"
+    )
+    print()
+    print(_tables(summaries))
+    if show_m is not None:
+        plan = plans[show_m]
+        load = plan.decomposition_cost()
+        print()
+        print(plan.describe())
+        busiest = max(range(n), key=lambda r: (load[r], -r))
+        print(
+            f"busiest rank {busiest}: decomposition cost {load[busiest]:.4g} "
+            f"({strategy}), imbalance {plan.imbalance():.2f}"
+        )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``kaisa plan`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    try:
+        return _run(sys.argv[1:] if argv is None else argv)
+    except _UsageError as err:
+        message = str(err)
+    except ValueError as err:  # an impossible fraction, named by make_plan
+        message = str(err)
+    except SystemExit as exit_:  # --help
+        return exit_.code if isinstance(exit_.code, int) else 0
+    print(f"{_PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

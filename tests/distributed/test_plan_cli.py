@@ -1,0 +1,157 @@
+"""``kaisa plan``: run in-process, output and JSON checked, errors on one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kaisa.cli import main as kaisa_main
+from kaisa.distributed.cost import summarize
+from kaisa.distributed.layer_shapes import bert_large_shapes, resnet50_shapes
+from kaisa.distributed.plan import make_plan
+from kaisa.distributed.plan_cli import default_grad_workers, main, parse_fraction
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_text_output(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "--model", "resnet50", "--world-size", "8")
+    assert code == 0 and err == ""
+    assert "resnet50: 54 K-FAC layers, world size 8" in out
+    assert "memory per rank, MB of float32" in out
+    for name in ("mem-opt", "hybrid-opt", "comm-opt", "imbalance"):
+        assert name in out
+    # One memory row and one traffic row per divisor of 8.
+    assert sum(line.lstrip().startswith(("1 ", "2 ", "4 ", "8 ")) for line in out.splitlines()) == 8
+
+
+def test_json_matches_the_cost_model(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        capsys,
+        *("--model", "bert-large", "--world-size", "1024", "--json", "--symmetry-aware"),
+        *("--fraction", "mem-opt", "--fraction", "1/2", "--fraction", "comm-opt"),
+        *("--factor-update-steps", "50", "--inv-update-steps", "500", "--no-colocate"),
+    )
+    assert code == 0
+    data = json.loads(out)
+    assert data["model"] == "bert-large" and data["num_layers"] == 145
+    assert data["colocate_factors"] is False and data["symmetry_aware"] is True
+    assert [f["grad_workers"] for f in data["fractions"]] == [1, 512, 1024]
+    for entry, m in zip(data["fractions"], (1, 512, 1024), strict=True):
+        plan = make_plan(bert_large_shapes(), 1024, m / 1024, colocate_factors=False)
+        expected = summarize(
+            plan, symmetry_aware=True, factor_update_steps=50, inv_update_steps=500
+        ).to_dict()
+        assert entry == json.loads(json.dumps(expected))
+    assert "plan" not in data
+
+
+def test_default_fractions_at_1024_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--world-size", "1024", "--json")
+    assert code == 0
+    ms = [f["grad_workers"] for f in json.loads(out)["fractions"]]
+    assert ms == [2**k for k in range(11)]
+
+
+@pytest.mark.parametrize("n", [1, 7, 12, 720, 1024, 5040])
+def test_default_grad_workers(n: int) -> None:
+    ms = default_grad_workers(n)
+    assert ms == sorted(set(ms))
+    assert all(n % m == 0 for m in ms)
+    assert ms[0] == 1 and ms[-1] == n
+    assert len(ms) <= 12
+    if n % 2 == 0:
+        assert n // 2 in ms
+    if n <= 12:
+        assert ms == [d for d in range(1, n + 1) if n % d == 0]
+
+
+def test_show_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--world-size", "4", "--fraction", "0.5", "--show-plan")
+    assert code == 0
+    for layer in resnet50_shapes():
+        assert layer.name in out
+    assert "2 gradient worker(s) per layer (hybrid-opt)" in out
+    code, out, _ = run(capsys, "--world-size", "4", "--show-plan", "comm-opt", "--json")
+    data = json.loads(out)
+    assert data["plan"]["grad_workers"] == 4
+    assert len(data["plan"]["layers"]) == 54
+
+
+def test_small_model_from_kaisa_models(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--model", "resnet20", "--world-size", "2", "--json")
+    assert code == 0
+    assert json.loads(out)["num_layers"] == 20
+
+
+def test_dispatch_from_the_kaisa_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert kaisa_main(["plan", "--world-size", "2", "--fraction", "1"]) == 0
+    assert "comm-opt" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        ([], "--world-size"),
+        (["--world-size", "x"], "--world-size"),
+        (["--world-size", "0"], "--world-size"),
+        (["--world-size", "6", "--fraction", "0.8"], "grad_worker_fraction"),
+        (["--world-size", "3", "--fraction", "hybrid-opt"], "grad_worker_fraction"),
+        (["--world-size", "1024", "--fraction", "0.3"], "grad_worker_fraction"),
+        (["--world-size", "4", "--fraction", "1.5"], "grad_worker_fraction"),
+        (["--world-size", "4", "--fraction", "half"], "--fraction"),
+        (["--world-size", "4", "--fraction", "1/0"], "--fraction"),
+        (["--world-size", "4", "--show-plan", "0.75"], "grad_worker_fraction"),
+        (["--world-size", "4", "--model", "vgg"], "--model"),
+        (["--world-size", "4", "--assignment-strategy", "time"], "--assignment-strategy"),
+        (["--world-size", "4", "--compute-method", "svd"], "--compute-method"),
+        (["--world-size", "4", "--factor-update-steps", "0"], "--factor-update-steps"),
+        (["--world-size", "4", "--inv-update-steps", "-1"], "--inv-update-steps"),
+        (["--world-size", "4", "--frobnicate"], "unrecognized"),
+    ],
+)
+def test_errors_are_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], fragment: str
+) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1
+    assert err.startswith("kaisa plan: error: ")
+    assert fragment in err
+    assert "Traceback" not in err
+
+
+def test_help(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    assert "--world-size" in out and "--fraction" in out
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("mem-opt", "mem-opt"), ("Comm-Opt", "comm-opt"), ("0", 0.0), ("1/4", 0.25), ("0.5", 0.5)],
+)
+def test_parse_fraction(text: str, value: object) -> None:
+    assert parse_fraction(text) == value
+
+
+def test_planning_does_not_import_torch() -> None:
+    """Importing torch alone takes longer than the answer may; the plan must not need it."""
+    code = (
+        "import sys\n"
+        "from kaisa.cli import main\n"
+        "assert main(['plan', '--model', 'bert-large', '--world-size', '1024', '--json']) == 0\n"
+        "assert 'torch' not in sys.modules, 'kaisa plan imported torch'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
