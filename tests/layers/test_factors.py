@@ -1,0 +1,178 @@
+"""Kronecker factors captured by the hooks against dense float64 definitions (spec §3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kaisa
+
+
+def capture(model: nn.Module, x: torch.Tensor, **options: object) -> kaisa.KFACPreconditioner:
+    """One factor update with decay 0, so the blocks hold exactly the batch factors."""
+    pre = kaisa.KFACPreconditioner(
+        model, factor_decay=0.0, inv_dtype=torch.float64, kl_clip=None, **options
+    )
+    out = model(x)
+    (out**2).sum().div(out.shape[0]).backward()
+    pre.step()
+    return pre
+
+
+def output_grads(module: nn.Module, model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """``δ = ∂L/∂y`` of every call of ``module`` for the loss used in :func:`capture`."""
+    grads: list[torch.Tensor] = []
+
+    def hook(_m: nn.Module, _a: object, out: torch.Tensor) -> None:
+        out.register_hook(lambda g: grads.append(g.detach().clone()))
+
+    handle = module.register_forward_hook(hook)
+    out = model(x)
+    (out**2).sum().div(out.shape[0]).backward()
+    handle.remove()
+    model.zero_grad()
+    return grads[::-1]  # hooks fire in reverse call order
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(7, 5), (3, 4, 5)])
+def test_linear_factors(bias: bool, shape: tuple[int, ...]) -> None:
+    layer = nn.Linear(5, 3, bias=bias).double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    (delta,) = output_grads(layer, layer, x)
+    rows_x = x.reshape(-1, 5)
+    if bias:
+        rows_x = torch.cat([rows_x, torch.ones(rows_x.shape[0], 1, dtype=torch.float64)], 1)
+    rows_d = delta.reshape(-1, 3)
+    a_ref = rows_x.T @ rows_x / rows_x.shape[0]
+    g_ref = rows_d.T @ rows_d / rows_d.shape[0]
+    block = capture(layer, x).layers[0].block
+    torch.testing.assert_close(block.a, a_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(block.g, g_ref, rtol=1e-12, atol=1e-12)
+
+
+def naive_patches(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """im2col by explicit loops: rows (sample, out_y, out_x), columns (c, ky, kx)."""
+    kh, kw = conv.kernel_size
+    sh, sw = conv.stride
+    dh, dw = conv.dilation
+    if conv.padding == "same":
+        th, tw = dh * (kh - 1), dw * (kw - 1)
+        pads = (tw // 2, tw - tw // 2, th // 2, th - th // 2)
+    elif conv.padding == "valid":
+        pads = (0, 0, 0, 0)
+    else:
+        ph, pw = conv.padding  # type: ignore[misc]
+        pads = (pw, pw, ph, ph)
+    mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+    xp = F.pad(x, pads, mode=mode)
+    n, c, h, w = xp.shape
+    h_out = (h - dh * (kh - 1) - 1) // sh + 1
+    w_out = (w - dw * (kw - 1) - 1) // sw + 1
+    rows = []
+    for i in range(n):
+        for oy in range(h_out):
+            for ox in range(w_out):
+                patch = [
+                    xp[i, ch, oy * sh + ky * dh, ox * sw + kx * dw]
+                    for ch in range(c)
+                    for ky in range(kh)
+                    for kx in range(kw)
+                ]
+                rows.append(torch.stack(patch))
+    return torch.stack(rows)
+
+
+CONV_CASES = [
+    dict(kernel_size=3, stride=1, padding=1),
+    dict(kernel_size=3, stride=2, padding=1, bias=False),
+    dict(kernel_size=(3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2)),
+    dict(kernel_size=3, padding="same", dilation=2),
+    dict(kernel_size=4, padding="same"),
+    dict(kernel_size=3, padding="valid", bias=False),
+    dict(kernel_size=3, padding=2, padding_mode="reflect"),
+    dict(kernel_size=3, padding=1, padding_mode="replicate", stride=2),
+    dict(kernel_size=3, padding=1, padding_mode="circular"),
+]
+
+
+@pytest.mark.parametrize(
+    "case", CONV_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items())
+)
+def test_conv2d_factors(case: dict[str, object]) -> None:
+    conv = nn.Conv2d(2, 3, **case).double()  # type: ignore[arg-type]
+    x = torch.randn(2, 2, 7, 6, dtype=torch.float64)
+    (delta,) = output_grads(conv, conv, x)
+    patches = naive_patches(conv, x)
+    n, c_out, h_out, w_out = delta.shape
+    positions = h_out * w_out
+    assert patches.shape[0] == n * positions
+    # The reference patches really are the convolution's: P Wᵀ (+ b) reproduces it.
+    recon = patches @ conv.weight.reshape(3, -1).T
+    if conv.bias is not None:
+        recon = recon + conv.bias
+    expected = conv(x).detach().permute(0, 2, 3, 1).reshape(-1, 3)
+    torch.testing.assert_close(recon, expected)
+    a_bar = patches
+    if conv.bias is not None:
+        a_bar = torch.cat([a_bar, torch.ones(a_bar.shape[0], 1, dtype=torch.float64)], 1)
+    a_bar = a_bar / positions
+    a_ref = a_bar.T @ a_bar / (n * positions)
+    d = delta.permute(0, 2, 3, 1).reshape(-1, c_out) / positions
+    g_ref = d.T @ d / (n * positions)
+    block = capture(conv, x).layers[0].block
+    torch.testing.assert_close(block.a, a_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(block.g, g_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_conv_patch_slicing_matches_whole_batch() -> None:
+    """Building the patch matrix a slice of the batch at a time changes nothing."""
+    conv = nn.Conv2d(3, 4, 3, padding=1).double()
+    x = torch.randn(5, 3, 6, 6, dtype=torch.float64)
+    whole = capture(conv, x).layers[0]
+    sliced_conv = nn.Conv2d(3, 4, 3, padding=1).double()
+    sliced_conv.load_state_dict(conv.state_dict())
+    pre = kaisa.KFACPreconditioner(sliced_conv, factor_decay=0.0, kl_clip=None)
+    handler = pre.layers[0].handler
+    assert isinstance(handler, kaisa.layers.Conv2dHandler)
+    handler.max_patch_bytes = 1  # one sample per slice
+    out = sliced_conv(x)
+    (out**2).sum().div(5).backward()
+    pre.step()
+    torch.testing.assert_close(pre.layers[0].block.a, whole.block.a, rtol=1e-12, atol=1e-12)
+
+
+def test_weight_sharing_uses_rows_of_every_call() -> None:
+    """A module called twice contributes the rows of both calls (spec §3)."""
+    shared = nn.Linear(4, 4).double()
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = shared
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.shared(torch.tanh(self.shared(x)))
+
+    model = Twice()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    deltas = output_grads(shared, model, x)
+    with torch.no_grad():
+        inputs = [x, torch.tanh(shared(x))]
+    rows_x = torch.cat([torch.cat([i, torch.ones(6, 1, dtype=torch.float64)], 1) for i in inputs])
+    rows_d = torch.cat(deltas)
+    pre = capture(model, x)
+    assert len(pre.layers) == 1
+    torch.testing.assert_close(pre.layers[0].block.a, rows_x.T @ rows_x / 12)
+    torch.testing.assert_close(pre.layers[0].block.g, rows_d.T @ rows_d / 12)
+
+
+def test_inplace_activation_after_layer_sees_pre_activation_gradient() -> None:
+    layer = nn.Linear(4, 5).double()
+    model = nn.Sequential(layer, nn.ReLU(inplace=True))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    (delta,) = output_grads(layer, model, x)
+    pre = capture(model, x)
+    torch.testing.assert_close(pre.layers[0].block.g, delta.T @ delta / 8)

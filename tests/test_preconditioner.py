@@ -1,0 +1,144 @@
+"""The front door end to end, on one process: against a dense float64 K-FAC step."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kaisa
+
+D = torch.float64
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3, bias=False)).double()
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y)
+
+
+def kron_solve(
+    grad: torch.Tensor, a: torch.Tensor, g: torch.Tensor, damping: float
+) -> torch.Tensor:
+    big = torch.kron(g, a) + damping * torch.eye(a.shape[0] * g.shape[0], dtype=D)
+    return torch.linalg.solve(big, grad.reshape(-1)).reshape(grad.shape)
+
+
+def dense_reference_step(
+    model: nn.Sequential,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    decay: float,
+    damping: float,
+    lr: float,
+    kappa: float,
+) -> list[torch.Tensor]:
+    """One K-FAC step from the definitions, with no code from kaisa."""
+    layers = [model[0], model[2]]
+    inputs: list[torch.Tensor] = []
+    deltas: list[torch.Tensor] = []
+
+    def hook(_m: nn.Module, args: tuple[torch.Tensor], out: torch.Tensor) -> None:
+        inputs.append(args[0].detach())
+        out.register_hook(lambda g: deltas.append(g.detach()))
+
+    handles = [layer.register_forward_hook(hook) for layer in layers]
+    loss_fn(model, x, y).backward()
+    for h in handles:
+        h.remove()
+    deltas = deltas[::-1]
+    pairs = []
+    for layer, xin, delta in zip(layers, inputs, deltas, strict=True):
+        rows = xin
+        if layer.bias is not None:
+            rows = torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=D)], 1)
+        a = decay * torch.eye(rows.shape[1], dtype=D) + (1 - decay) * rows.T @ rows / rows.shape[0]
+        g_size = delta.shape[1]
+        g = decay * torch.eye(g_size, dtype=D) + (1 - decay) * delta.T @ delta / delta.shape[0]
+        grad = layer.weight.grad
+        if layer.bias is not None:
+            grad = torch.cat([grad, layer.bias.grad[:, None]], 1)
+        pairs.append((kron_solve(grad, a, g, damping), grad))
+    s = lr**2 * sum(float((p * g).sum()) for p, g in pairs)
+    nu = min(1.0, math.sqrt(kappa / abs(s)))
+    return [nu * p for p, _ in pairs]
+
+
+@pytest.mark.parametrize("outer", [True, False])
+@pytest.mark.parametrize("in_hook", [True, False])
+def test_step_matches_dense_kfac(outer: bool, in_hook: bool) -> None:
+    model = mlp()
+    ref_model = copy.deepcopy(model)
+    x, y = torch.randn(11, 5, dtype=D), torch.randint(0, 3, (11,))
+    decay, damping, lr, kappa = 0.6, 0.02, 0.5, 1e-4
+    expected = dense_reference_step(ref_model, x, y, decay, damping, lr, kappa)
+    pre = kaisa.KFACPreconditioner(
+        model,
+        factor_decay=decay,
+        damping=damping,
+        lr=lr,
+        kl_clip=kappa,
+        inv_dtype=D,
+        compute_eigenvalue_outer_product=outer,
+        update_factors_in_hook=in_hook,
+    )
+    loss_fn(model, x, y).backward()
+    pre.step()
+    got = [
+        torch.cat([model[0].weight.grad, model[0].bias.grad[:, None]], 1),
+        model[2].weight.grad,
+    ]
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
+
+
+def test_inverse_method_step_and_kl_clip_off() -> None:
+    model = mlp()
+    x, y = torch.randn(9, 5, dtype=D), torch.randint(0, 3, (9,))
+    pre = kaisa.KFACPreconditioner(
+        model, compute_method="inverse", factor_decay=0.0, damping=0.1, kl_clip=None, inv_dtype=D
+    )
+    loss_fn(model, x, y).backward()
+    raw = model[2].weight.grad.clone()
+    pre.step()
+    block = pre.layers[1].block
+    eye_a, eye_g = torch.eye(7, dtype=D), torch.eye(3, dtype=D)
+    expected = (
+        torch.linalg.inv(block.g + 0.1 * eye_g) @ raw @ torch.linalg.inv(block.a + 0.1 * eye_a)
+    )
+    torch.testing.assert_close(model[2].weight.grad, expected)
+
+
+def test_layers_found_and_left_alone() -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.frozen = nn.Linear(4, 4)
+            self.frozen.weight.requires_grad_(False)
+            self.frozen.bias.requires_grad_(False)
+            self.grouped = nn.Conv2d(4, 4, 3, groups=2)
+            self.skipped = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 2)
+            self.norm = nn.LayerNorm(4)
+
+    with pytest.warns(UserWarning, match="grouped"):
+        pre = kaisa.KFACPreconditioner(Net(), skip_layers=["skipped"])
+    assert [layer.name for layer in pre.layers] == ["head"]
+    with pytest.raises(ValueError, match="no layer"):
+        kaisa.KFACPreconditioner(nn.Sequential(nn.Linear(2, 2)), skip_layers="Linear$")
+
+
+@pytest.fixture
+def _no_layers_model() -> nn.Module:
+    return nn.Sequential(nn.LayerNorm(3))
+
+
+def test_model_without_layers_is_refused(_no_layers_model: nn.Module) -> None:
+    with pytest.raises(ValueError, match="no layer K-FAC can precondition"):
+        kaisa.KFACPreconditioner(_no_layers_model)

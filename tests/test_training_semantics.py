@@ -1,0 +1,297 @@
+"""Accumulation, schedules, resume, AMP scaling, unused layers, numerical failures."""
+
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kaisa
+
+D = torch.float64
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.relu(self.conv(x)).flatten(1))
+
+
+def data(n: int = 12, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 2, 4, 4, generator=gen, dtype=D), torch.randint(0, 3, (n,), generator=gen)
+
+
+def test_accumulation_equals_one_big_batch() -> None:
+    """k micro-batches of size B give the factors of one batch of k·B."""
+    model = Net().double()
+    big = copy.deepcopy(model)
+    x, y = data(12)
+    pre_big = kaisa.KFACPreconditioner(big, factor_decay=0.0, inv_dtype=D)
+    F.cross_entropy(big(x), y).backward()
+    pre_big.step()
+    pre = kaisa.KFACPreconditioner(model, factor_decay=0.0, inv_dtype=D, accumulation_steps=3)
+    for xs, ys in zip(x.chunk(3), y.chunk(3), strict=True):
+        (F.cross_entropy(model(xs), ys) / 3).backward()
+    pre.step()
+    for a, b in zip(pre.layers, pre_big.layers, strict=True):
+        torch.testing.assert_close(a.block.a, b.block.a, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(a.block.g, b.block.g, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(model.fc.weight.grad, big.fc.weight.grad, rtol=1e-9, atol=1e-12)
+
+
+def test_schedules_are_read_at_the_step() -> None:
+    seen: dict[str, list[int]] = {"damping": [], "lr": []}
+
+    def damping(step: int) -> float:
+        seen["damping"].append(step)
+        return 0.1 if step < 2 else 0.01
+
+    def lr(step: int) -> float:
+        seen["lr"].append(step)
+        return 0.1 / (1 + step)
+
+    model = Net().double()
+    pre = kaisa.KFACPreconditioner(
+        model,
+        factor_update_steps=lambda step: 1 if step < 2 else 3,
+        inv_update_steps=2,
+        damping=damping,
+        lr=lr,
+        kl_clip=1e-6,
+        compute_eigenvalue_outer_product=False,
+        inv_dtype=D,
+    )
+    x, y = data()
+    history = []
+    for step in range(5):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        assert pre.hyperparameter("damping") == damping(step)
+        pre.step()
+        history.append(pre.layers[0].block.a.clone())
+    assert set(seen["damping"]) == set(range(5))
+    assert set(seen["lr"]) == set(range(5))
+    # Factors change at steps 0, 1 (interval 1) and 3 (interval 3), not at 2 or 4.
+    assert not torch.equal(history[0], history[1])
+    assert torch.equal(history[1], history[2])
+    assert not torch.equal(history[2], history[3])
+    assert torch.equal(history[3], history[4])
+
+
+def test_schedule_returning_a_bad_value_names_it() -> None:
+    pre = kaisa.KFACPreconditioner(Net().double(), damping=lambda step: -1.0)
+    x, y = data()
+    F.cross_entropy(pre.model(x), y).backward()
+    with pytest.raises(ValueError, match=r"damping must be .* at step 0"):
+        pre.step()
+
+
+def train(
+    model: nn.Module, opt: torch.optim.Optimizer, pre: kaisa.KFACPreconditioner, steps: range
+) -> None:
+    for step in steps:
+        x, y = data(8, seed=step)
+        x = x.to(next(model.parameters()).dtype)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+        opt.step()
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_resume_is_bit_identical(method: str) -> None:
+    options: dict[str, Any] = dict(
+        factor_update_steps=2, inv_update_steps=3, compute_method=method, kl_clip=1e-3
+    )
+    torch.manual_seed(1)
+    model = Net()
+    resumed_model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    pre = kaisa.KFACPreconditioner(model, **options)
+    train(model, opt, pre, range(10))
+
+    opt2 = torch.optim.SGD(resumed_model.parameters(), lr=0.1, momentum=0.9)
+    pre2 = kaisa.KFACPreconditioner(resumed_model, **options)
+    train(resumed_model, opt2, pre2, range(5))
+    buffer = io.BytesIO()
+    torch.save(
+        {"model": resumed_model.state_dict(), "opt": opt2.state_dict(), "pre": pre2.state_dict()},
+        buffer,
+    )
+    buffer.seek(0)
+    checkpoint = torch.load(buffer)
+    fresh = Net()
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    fresh_pre = kaisa.KFACPreconditioner(fresh, **options)
+    fresh.load_state_dict(checkpoint["model"])
+    fresh_opt.load_state_dict(checkpoint["opt"])
+    fresh_pre.load_state_dict(checkpoint["pre"])
+    assert fresh_pre.steps == 5
+    train(fresh, fresh_opt, fresh_pre, range(5, 10))
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_load_state_dict_rejects_other_layers() -> None:
+    pre = kaisa.KFACPreconditioner(Net())
+    other = kaisa.KFACPreconditioner(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="do not match"):
+        pre.load_state_dict(other.state_dict())
+    with pytest.raises(ValueError, match="not a KFACPreconditioner state dict"):
+        pre.load_state_dict({"x": 1})
+
+
+def test_grad_scaler_unscales_captured_gradients() -> None:
+    model = Net().double()
+    scaled = copy.deepcopy(model)
+    x, y = data()
+    pre = kaisa.KFACPreconditioner(model, factor_decay=0.0, inv_dtype=D)
+    F.cross_entropy(model(x), y).backward()
+    pre.step()
+    scale = 1024.0
+    pre_s = kaisa.KFACPreconditioner(
+        scaled, factor_decay=0.0, inv_dtype=D, grad_scaler=lambda: scale
+    )
+    (F.cross_entropy(scaled(x), y) * scale).backward()
+    for p in scaled.parameters():  # what GradScaler.unscale_ does before step()
+        p.grad.div_(scale)
+    pre_s.step()
+    for a, b in zip(pre.layers, pre_s.layers, strict=True):
+        torch.testing.assert_close(a.block.g, b.block.g, rtol=1e-12, atol=1e-16)
+    torch.testing.assert_close(model.fc.weight.grad, scaled.fc.weight.grad)
+
+
+def test_grad_scaler_object_is_read() -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
+    model = Net()
+    pre = kaisa.KFACPreconditioner(model, grad_scaler=scaler)
+    assert pre.options.grad_scale_reader() is not None
+    assert pre.options.grad_scale_reader()() == 64.0  # type: ignore[misc]
+
+
+def test_overflow_step_does_not_reach_factors() -> None:
+    model = Net().double()
+    pre = kaisa.KFACPreconditioner(model, inv_dtype=D)
+    x, y = data()
+    F.cross_entropy(model(x), y).backward()
+    pre.step()
+    a_before = [layer.block.a.clone() for layer in pre.layers]
+    g_before = [layer.block.g.clone() for layer in pre.layers]
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    model.fc.weight.grad[0, 0] = float("inf")  # what an AMP overflow leaves behind
+    pre.step()
+    assert pre.telemetry.skipped_factor_updates == 1
+    for layer, a, g in zip(pre.layers, a_before, g_before, strict=True):
+        assert torch.equal(layer.block.a, a) and torch.equal(layer.block.g, g)
+    # The next finite step proceeds normally.
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    pre.step()
+    assert not torch.equal(pre.layers[0].block.a, a_before[0])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_nan_input_leaves_factors_and_state_intact() -> None:
+    model = Net().double()
+    pre = kaisa.KFACPreconditioner(model, inv_dtype=D)
+    x, y = data()
+    F.cross_entropy(model(x), y).backward()
+    pre.step()
+    state = copy.deepcopy(pre.state_dict())
+    model.zero_grad()
+    x_bad = x.clone()
+    x_bad[0, 0, 0, 0] = float("nan")
+    F.cross_entropy(model(x_bad), y).backward()
+    pre.step()
+    for layer in pre.layers:
+        saved = state["layers"][layer.name]
+        assert torch.equal(layer.block.a, saved["a"]) and torch.equal(layer.block.g, saved["g"])
+
+
+def test_unused_registered_module_keeps_raw_gradient() -> None:
+    """nn.MultiheadAttention bypasses its out_proj module; step() must cope."""
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out, _ = self.attn(x, x, x)
+            return self.head(out.mean(1))
+
+    model = Attn()
+    pre = kaisa.KFACPreconditioner(model, kl_clip=None)
+    assert "attn.out_proj" in [layer.name for layer in pre.layers]
+    x, y = torch.randn(4, 5, 8), torch.randint(0, 3, (4,))
+    for _ in range(2):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        raw_out = model.attn.out_proj.weight.grad.clone()
+        raw_head = model.head.weight.grad.clone()
+        pre.step()
+        assert torch.equal(model.attn.out_proj.weight.grad, raw_out)
+        assert not torch.equal(model.head.weight.grad, raw_head)
+
+
+def test_eval_mode_and_no_grad_forward_capture_nothing() -> None:
+    model = Net()
+    pre = kaisa.KFACPreconditioner(model)
+    x, _y = data(4)
+    with torch.no_grad():
+        model(x.float())
+    model.eval()
+    model(x.float())
+    assert pre.memory_usage()["captures"] == 0
+    model.train()
+    model(x.float())
+    assert pre.memory_usage()["captures"] > 0
+
+
+def test_memory_usage_by_category() -> None:
+    model = Net()
+    pre = kaisa.KFACPreconditioner(model, compute_eigenvalue_outer_product=True)
+    usage = pre.memory_usage()
+    a_conv, g_conv, a_fc, g_fc = 2 * 9 + 1, 4, 64 + 1, 3
+    factors = 4 * (a_conv**2 + g_conv**2 + a_fc**2 + g_fc**2)
+    assert usage["factors"] == factors
+    second = 4 * sum(a * a + g * g + a + g + a * g for a, g in ((a_conv, g_conv), (a_fc, g_fc)))
+    assert usage["second_order"] == second
+    assert usage["captures"] == 0
+    assert usage["total"] == factors + second
+
+
+def test_decomposition_failure_keeps_model_finite(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pre = kaisa.KFACPreconditioner(model)
+    train(model, opt, pre, range(2))
+
+    def broken(*_: object, **__: object) -> None:
+        raise torch.linalg.LinAlgError("forced")
+
+    monkeypatch.setattr(torch.linalg, "eigh", broken)
+    with pytest.warns(RuntimeWarning, match="could not be decomposed"):
+        train(model, opt, pre, range(2, 4))
+    assert pre.telemetry.failed_decompositions > 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_remove_hooks() -> None:
+    model = Net()
+    pre = kaisa.KFACPreconditioner(model)
+    pre.remove_hooks()
+    model(data(2)[0].float())
+    assert pre.memory_usage()["captures"] == 0
