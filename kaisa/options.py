@@ -69,6 +69,7 @@ class KFACOptions:
     inv_dtype: torch.dtype | None = torch.float32
     skip_layers: Sequence[str] = ()
     update_factors_in_hook: bool = True
+    conv_factor_estimator: Literal["expand", "reduce"] = "expand"
     # Derived, validated views.
     hyper: dict[str, Hyperparameter] = field(init=False, repr=False, compare=False)
 
@@ -109,6 +110,11 @@ class KFACOptions:
             self,
             "compute_method",
             _choice("compute_method", self.compute_method, ("eigen", "inverse")),
+        )
+        set_(
+            self,
+            "conv_factor_estimator",
+            _choice("conv_factor_estimator", self.conv_factor_estimator, ("expand", "reduce")),
         )
         for name in (
             "colocate_factors",

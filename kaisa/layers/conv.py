@@ -8,15 +8,28 @@ The patch matrix is the largest temporary of K-FAC on a CNN (for a 16-channel
 3×3 layer at 32×32 and batch 128 it is 75 MB in float32), so it is built a
 slice of the batch at a time, bounded by ``max_patch_bytes``, and never
 concatenated with the column of ones.
+
+``estimator='reduce'`` is the cheaper estimator (KFAC-reduce, Eschenhagen et
+al., 2023): the rows of one sample are averaged over the ``T`` output
+positions *before* the outer product, ``ā_n = mean_t ā_nt`` and
+``δ̄_n = mean_t δ_nt / T``, giving ``A = Σ_n ā_n ā_nᵀ / N`` and
+``G = Σ_n δ̄_n δ̄_nᵀ / N``. When a sample's rows do not vary over positions it
+equals the default ('expand'), so damping values carry over; it costs ``N``
+rows instead of ``N·T`` and never builds the patch matrix (the position means
+of the patches are strided sums of the padded input).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kaisa.layers.base import LayerHandler, gram, gram_with_ones
+
+ConvEstimator = Literal["expand", "reduce"]
 
 #: Upper bound on the bytes of one slice of the patch matrix.
 DEFAULT_MAX_PATCH_BYTES = 32 * 2**20
@@ -47,10 +60,18 @@ class Conv2dHandler(LayerHandler):
 
     module: nn.Conv2d
 
-    def __init__(self, module: nn.Conv2d, max_patch_bytes: int = DEFAULT_MAX_PATCH_BYTES) -> None:
+    def __init__(
+        self,
+        module: nn.Conv2d,
+        max_patch_bytes: int = DEFAULT_MAX_PATCH_BYTES,
+        estimator: ConvEstimator = "expand",
+    ) -> None:
         if module.groups != 1:
             raise ValueError(f"Conv2dHandler supports groups=1 only, got groups={module.groups}")
+        if estimator not in ("expand", "reduce"):
+            raise ValueError(f"estimator must be 'expand' or 'reduce'; got {estimator!r}")
         super().__init__(module)
+        self.estimator = estimator
         kh, kw = _pair(module.kernel_size)
         self.a_size = module.in_channels * kh * kw + (1 if module.bias is not None else 0)
         self.g_size = module.out_channels
@@ -72,10 +93,42 @@ class Conv2dHandler(LayerHandler):
         positions = cols.shape[2]
         return cols.transpose(1, 2).reshape(-1, cols.shape[1]), positions
 
+    def patch_means(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Per-sample means of the patch rows (``(n, C_in·kh·kw)``) and ``T``.
+
+        Each column (channel, ky, kx) averages one strided window of the
+        padded input, so the patch matrix itself is never built.
+        """
+        conv = self.module
+        if any(self._padding):
+            x = F.pad(x, self._padding, mode=self._pad_mode)
+        kh, kw = _pair(conv.kernel_size)
+        sh, sw = _pair(conv.stride)
+        dh, dw = _pair(conv.dilation)
+        h_out = (x.shape[-2] - dh * (kh - 1) - 1) // sh + 1
+        w_out = (x.shape[-1] - dw * (kw - 1) - 1) // sw + 1
+        columns = [
+            x[
+                :,
+                :,
+                ky * dh : ky * dh + sh * (h_out - 1) + 1 : sh,
+                kx * dw : kx * dw + sw * (w_out - 1) + 1 : sw,
+            ].mean(dim=(2, 3))
+            for ky in range(kh)
+            for kx in range(kw)
+        ]  # kh·kw tensors of shape (n, C), ordered (ky, kx)
+        means = torch.stack(columns, dim=2)  # (n, C, kh·kw): the unfold order (c, ky, kx)
+        return means.reshape(x.shape[0], -1), h_out * w_out
+
     def a_sum(self, x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         if x.dim() == 3:
             x = x.unsqueeze(0)
         n = x.shape[0]
+        if self.estimator == "reduce":
+            means, positions = self.patch_means(x)
+            scale = 1.0 / positions**2
+            out = gram_with_ones(means, out, scale) if self.has_bias else gram(means, out, scale)
+            return out, n
         per_sample = self._patch_bytes_per_sample(x)
         chunk = max(1, min(n, self.max_patch_bytes // max(1, per_sample)))
         rows = 0
@@ -94,6 +147,8 @@ class Conv2dHandler(LayerHandler):
             grad_output = grad_output.unsqueeze(0)
         n, c, h, w = grad_output.shape
         positions = h * w
+        if self.estimator == "reduce":
+            return gram(grad_output.mean(dim=(2, 3)), out, 1.0 / positions**2), n
         rows = grad_output.permute(0, 2, 3, 1).reshape(n * positions, c)
         return gram(rows, out, 1.0 / positions**2), n * positions
 

@@ -9,10 +9,13 @@ from collections.abc import Callable, Sequence
 from torch import nn
 
 from kaisa.layers.base import LayerHandler
-from kaisa.layers.conv import Conv2dHandler
+from kaisa.layers.conv import Conv2dHandler, ConvEstimator
 from kaisa.layers.linear import LinearHandler
 
-HandlerFactory = Callable[[nn.Module], LayerHandler | None]
+#: ``factory(module, **options)`` returns a handler, or ``None`` to skip the module.
+#: Options are the handler options of :func:`find_layers` (e.g. ``conv_estimator``);
+#: a factory ignores the ones that do not concern it.
+HandlerFactory = Callable[..., LayerHandler | None]
 
 _REGISTRY: dict[type[nn.Module], HandlerFactory] = {}
 
@@ -25,25 +28,27 @@ def register_handler(module_type: type[nn.Module], factory: HandlerFactory) -> N
     _REGISTRY[module_type] = factory
 
 
-def handler_for(module: nn.Module) -> LayerHandler | None:
+def handler_for(module: nn.Module, **options: object) -> LayerHandler | None:
     """The handler for ``module``, or ``None`` if kaisa does not precondition it."""
     for cls in type(module).__mro__:
         factory = _REGISTRY.get(cls)
         if factory is not None:
-            return factory(module)
+            return factory(module, **options)
     return None
 
 
-def _linear(module: nn.Module) -> LayerHandler:
+def _linear(module: nn.Module, **_: object) -> LayerHandler:
     assert isinstance(module, nn.Linear)
     return LinearHandler(module)
 
 
-def _conv2d(module: nn.Module) -> LayerHandler | None:
+def _conv2d(
+    module: nn.Module, conv_estimator: ConvEstimator = "expand", **_: object
+) -> LayerHandler | None:
     assert isinstance(module, nn.Conv2d)
     if module.groups != 1:
         return None
-    return Conv2dHandler(module)
+    return Conv2dHandler(module, estimator=conv_estimator)
 
 
 register_handler(nn.Linear, _linear)
@@ -51,7 +56,7 @@ register_handler(nn.Conv2d, _conv2d)
 
 
 def find_layers(
-    model: nn.Module, skip_layers: Sequence[str] = ()
+    model: nn.Module, skip_layers: Sequence[str] = (), **options: object
 ) -> list[tuple[str, LayerHandler]]:
     """Every module of ``model`` that kaisa preconditions, with its qualified name.
 
@@ -60,7 +65,8 @@ def find_layers(
     ``skip_layers`` regular expressions (``re.search``), when none of its
     parameters requires a gradient, or when no handler supports it (a
     grouped convolution is left out with a warning naming it). A module that
-    appears twice in the tree is registered once.
+    appears twice in the tree is registered once. ``options`` go to the
+    handler factories (``conv_estimator='expand'|'reduce'`` for convolutions).
     """
     patterns = [re.compile(p) for p in skip_layers]
     found: list[tuple[str, LayerHandler]] = []
@@ -74,7 +80,7 @@ def find_layers(
             continue
         if not any(True for _ in module.parameters(recurse=False)):
             continue
-        handler = handler_for(module)
+        handler = handler_for(module, **options)
         if handler is None:
             if isinstance(module, nn.Conv2d) and module.groups != 1:
                 warnings.warn(

@@ -176,3 +176,33 @@ def test_inplace_activation_after_layer_sees_pre_activation_gradient() -> None:
     (delta,) = output_grads(layer, model, x)
     pre = capture(model, x)
     torch.testing.assert_close(pre.layers[0].block.g, delta.T @ delta / 8)
+
+
+@pytest.mark.parametrize(
+    "case", CONV_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items())
+)
+def test_conv2d_reduce_estimator(case: dict[str, object]) -> None:
+    """'reduce': rows averaged over output positions before the outer product."""
+    conv = nn.Conv2d(2, 3, **case).double()  # type: ignore[arg-type]
+    x = torch.randn(3, 2, 7, 6, dtype=torch.float64)
+    (delta,) = output_grads(conv, conv, x)
+    n, c_out, h_out, w_out = delta.shape
+    positions = h_out * w_out
+    patches = naive_patches(conv, x)
+    if conv.bias is not None:
+        patches = torch.cat([patches, torch.ones(patches.shape[0], 1, dtype=torch.float64)], 1)
+    a_bar = (patches / positions).reshape(n, positions, -1).mean(1)
+    d_bar = (delta / positions).permute(0, 2, 3, 1).reshape(n, positions, c_out).mean(1)
+    block = capture(conv, x, conv_factor_estimator="reduce").layers[0].block
+    torch.testing.assert_close(block.a, a_bar.T @ a_bar / n, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(block.g, d_bar.T @ d_bar / n, rtol=1e-12, atol=1e-14)
+
+
+def test_reduce_equals_expand_when_rows_do_not_vary_over_positions() -> None:
+    """Constant input and a 1×1 conv: both estimators agree, so damping carries over."""
+    conv = nn.Conv2d(2, 3, 1).double()
+    x = torch.randn(4, 2, 1, 1, dtype=torch.float64).expand(4, 2, 5, 5).contiguous()
+    expand = capture(conv, x).layers[0].block
+    reduce = capture(conv, x, conv_factor_estimator="reduce").layers[0].block
+    torch.testing.assert_close(reduce.a, expand.a, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(reduce.g, expand.g, rtol=1e-12, atol=1e-14)
