@@ -235,6 +235,7 @@ class KFACPreconditioner:
             for layer in self.layers
         ]
         self._steps = 0
+        self._peak_capture_bytes = 0
         self._capture_this_step = self._is_factor_step()
         self._force_inverse_update = False
 
@@ -274,22 +275,24 @@ class KFACPreconditioner:
             and self._capture_this_step
         ):
             return
-        with self.telemetry.timer("capture"), torch.autocast(self.device.type, enabled=False):
-            x = args[0].detach().to(self.factor_dtype)
+        with torch.autocast(self.device.type, enabled=False):
+            with self.telemetry.timer("capture"):
+                x = args[0].detach().to(self.factor_dtype)
+                layer.pending += 1
+                output.register_hook(functools.partial(self._grad_output_hook, layer))  # type: ignore[no-untyped-call]
             if self.options.update_factors_in_hook:
                 with self.telemetry.timer("factor_products"):
                     layer.a_acc, rows = layer.handler.a_sum(x, layer.a_acc)
                 layer.a_rows += rows
             else:
                 layer.inputs.append(x)
-            layer.pending += 1
-            output.register_hook(functools.partial(self._grad_output_hook, layer))  # type: ignore[no-untyped-call]
 
     def _grad_output_hook(self, layer: _Layer, grad: torch.Tensor) -> None:
-        with self.telemetry.timer("capture"), torch.autocast(self.device.type, enabled=False):
-            delta = grad.detach().to(self.factor_dtype)
-            if self._step_scale is None and self._grad_scale is not None:
-                self._step_scale = self._grad_scale()
+        with torch.autocast(self.device.type, enabled=False):
+            with self.telemetry.timer("capture"):
+                delta = grad.detach().to(self.factor_dtype)
+                if self._step_scale is None and self._grad_scale is not None:
+                    self._step_scale = self._grad_scale()
             if self.options.update_factors_in_hook:
                 with self.telemetry.timer("factor_products"):
                     layer.g_acc, rows = layer.handler.g_sum(delta, layer.g_acc)
@@ -342,6 +345,8 @@ class KFACPreconditioner:
 
         Call after the backward pass(es) of a step and before ``optimizer.step()``.
         """
+        held = sum(layer.capture_bytes() for layer in self.layers)
+        self._peak_capture_bytes = max(self._peak_capture_bytes, held)
         try:
             if self._capture_this_step and self.model.training:
                 self._update_factors()
@@ -456,13 +461,22 @@ class KFACPreconditioner:
 
     # -- inspection, checkpoints, teardown ------------------------------------------------
     def memory_usage(self) -> dict[str, int]:
-        """Bytes held on this rank: factors, second-order state, current captures, total."""
+        """Bytes held on this rank, by category.
+
+        ``factors`` (running averages), ``second_order`` (eigenbases and
+        eigenvalues or inverses, only for this rank's layers), ``captures``
+        (what the hooks hold right now: factor accumulators, or raw inputs and
+        output gradients with ``update_factors_in_hook=False``; released by
+        ``step()``), ``captures_peak`` (the most captures held when a ``step()``
+        began) and ``total`` (factors + second-order + captures).
+        """
         usage = {
             "factors": sum(layer.block.factor_bytes() for layer in self.layers),
             "second_order": sum(layer.block.second_order_bytes() for layer in self.layers),
             "captures": sum(layer.capture_bytes() for layer in self.layers),
         }
         usage["total"] = sum(usage.values())
+        usage["captures_peak"] = self._peak_capture_bytes
         return usage
 
     def state_dict(self) -> dict[str, Any]:
@@ -479,7 +493,13 @@ class KFACPreconditioner:
 
         Layers are matched by name. If the checkpoint was written under a
         different placement (world size or fraction), second-order state is
-        recomputed from the factors at the next ``step()``.
+        recomputed from the factors at the next ``step()``. Under KAISA each
+        rank holds second-order state only for its own column's layers, so a
+        checkpoint written by one rank (the usual "save on rank 0") lacks the
+        other columns' state: a rank recomputes its layers' state from the
+        factors at the next ``step()`` when the checkpoint does not have it,
+        and ignores state for layers it does not work on. Restoring each
+        rank's own checkpoint continues bit-identically.
         """
         if not isinstance(state_dict, dict) or "layers" not in state_dict:
             raise ValueError("state_dict is not a KFACPreconditioner state dict")
@@ -495,15 +515,22 @@ class KFACPreconditioner:
             state_dict.get("world_size") == self.world_size
             and state_dict.get("grad_workers") == self.plan.grad_workers
         )
+        recompute = not same_plan
         for layer in self.layers:
             saved = dict(layers[layer.name])
-            if not same_plan:
+            works_here = self.plan.is_grad_worker(layer.name, self.rank)
+            if not same_plan or not works_here:
                 saved.pop("second_order", None)
                 saved.pop("outer_inverse", None)
+            elif "second_order" not in saved:
+                # Written by a rank of another column. Every rank of this column
+                # sees the same checkpoint and decides alike, and the recompute
+                # only talks inside the column, so ranks need not agree on this.
+                recompute = True
             layer.block.load_state_dict(saved)
         self._steps = int(state_dict["steps"])
         self._capture_this_step = self._is_factor_step()
-        self._force_inverse_update = not same_plan
+        self._force_inverse_update = recompute
 
     def remove_hooks(self) -> None:
         """Detach from the model (the preconditioner can no longer capture)."""

@@ -59,7 +59,8 @@ BAD: list[tuple[dict[str, Any], type[Exception], str]] = [
     (
         {"grad_worker_fraction": "half"},
         ValueError,
-        r"grad_worker_fraction must be a float in \[0, 1\] or one of 'comm-opt', 'hybrid-opt', 'mem-opt'; got 'half'",
+        r"grad_worker_fraction must be a float in \[0, 1\] or one of "
+        r"'comm-opt', 'hybrid-opt', 'mem-opt'; got 'half'",
     ),
     ({"grad_worker_fraction": None}, TypeError, r"grad_worker_fraction must be a float"),
     ({"grad_scaler": 3.0}, TypeError, r"grad_scaler must be a torch.amp.GradScaler, a callable"),
@@ -78,7 +79,7 @@ def test_bad_argument(kwargs: dict[str, Any], error: type[Exception], message: s
 
 
 def test_not_a_module() -> None:
-    with pytest.raises(TypeError, match="model must be a torch.nn.Module; got str"):
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module; got str"):
         kaisa.KFACPreconditioner("resnet")  # type: ignore[arg-type]
 
 

@@ -271,6 +271,7 @@ def test_memory_usage_by_category() -> None:
     assert usage["second_order"] == second
     assert usage["captures"] == 0
     assert usage["total"] == factors + second
+    assert usage["captures_peak"] == 0
 
 
 def test_decomposition_failure_keeps_model_finite(monkeypatch: pytest.MonkeyPatch) -> None:

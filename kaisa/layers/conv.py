@@ -80,18 +80,28 @@ class Conv2dHandler(LayerHandler):
         self._pad_mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
 
     def patches(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """The patch matrix ``P`` of ``x`` (``(n·T, C_in·kh·kw)``) and ``T``."""
+        """The patch matrix ``P`` of ``x`` (``(n·T, C_in·kh·kw)``) and ``T``.
+
+        The rows are read from a strided view of the padded input and copied
+        once; ``F.unfold`` followed by the transpose to row-major order costs
+        several times more on CPU.
+        """
         conv = self.module
+        kh, kw = _pair(conv.kernel_size)
+        sh, sw = _pair(conv.stride)
+        dh, dw = _pair(conv.dilation)
         if any(self._padding):
             x = F.pad(x, self._padding, mode=self._pad_mode)
-        cols = F.unfold(
-            x,
-            kernel_size=conv.kernel_size,
-            dilation=conv.dilation,
-            stride=conv.stride,
-        )  # (n, C·kh·kw, T)
-        positions = cols.shape[2]
-        return cols.transpose(1, 2).reshape(-1, cols.shape[1]), positions
+        x = x.contiguous()
+        n, c, h, w = x.shape
+        h_out = (h - dh * (kh - 1) - 1) // sh + 1
+        w_out = (w - dw * (kw - 1) - 1) // sw + 1
+        s_n, s_c, s_h, s_w = x.stride()
+        view = x.as_strided(
+            (n, h_out, w_out, c, kh, kw),
+            (s_n, s_h * sh, s_w * sw, s_c, s_h * dh, s_w * dw),
+        )
+        return view.reshape(n * h_out * w_out, c * kh * kw), h_out * w_out
 
     def patch_means(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Per-sample means of the patch rows (``(n, C_in·kh·kw)``) and ``T``.
