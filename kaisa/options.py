@@ -70,6 +70,7 @@ class KFACOptions:
     skip_layers: Sequence[str] = ()
     update_factors_in_hook: bool = True
     conv_factor_estimator: Literal["expand", "reduce"] = "expand"
+    factor_product_dtype: torch.dtype | None = None
     # Derived, validated views.
     hyper: dict[str, Hyperparameter] = field(init=False, repr=False, compare=False)
 
@@ -133,6 +134,7 @@ class KFACOptions:
             )
         _dtype("factor_dtype", self.factor_dtype)
         _dtype("inv_dtype", self.inv_dtype)
+        _dtype("factor_product_dtype", self.factor_product_dtype)
         skip = self.skip_layers
         if skip is None:
             skip = ()

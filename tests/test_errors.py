@@ -66,6 +66,7 @@ BAD: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"grad_scaler": 3.0}, TypeError, r"grad_scaler must be a torch.amp.GradScaler, a callable"),
     ({"factor_dtype": "float32"}, TypeError, r"factor_dtype must be a floating torch.dtype"),
     ({"factor_dtype": torch.int32}, TypeError, r"factor_dtype must be a floating torch.dtype"),
+    ({"factor_product_dtype": torch.int8}, TypeError, r"factor_product_dtype must be a floating"),
     ({"inv_dtype": torch.complex64}, TypeError, r"inv_dtype must be a floating torch.dtype"),
     ({"skip_layers": 3}, TypeError, r"skip_layers must be a regular expression or a list of them"),
     ({"skip_layers": ["("]}, ValueError, r"skip_layers holds an invalid regular expression '\('"),

@@ -98,11 +98,22 @@ class LayerHandler(ABC):
         return f"{type(self).__name__}({self.module!r}, a_size={self.a_size}, g_size={self.g_size})"
 
 
+def _accumulator_dtype(rows: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(rows.dtype, torch.float32)
+
+
 def gram(rows: torch.Tensor, out: torch.Tensor | None, scale: float = 1.0) -> torch.Tensor:
-    """``scale · rowsᵀ rows``, accumulated into ``out`` when it is given."""
+    """``scale · rowsᵀ rows``, accumulated into ``out`` when it is given.
+
+    Products run in ``rows``' dtype (bfloat16 rows use the fast half-precision
+    matrix units); the result is accumulated in at least float32.
+    """
     if out is None:
-        return torch.mm(rows.t(), rows) if scale == 1.0 else torch.mm(rows.t(), rows).mul_(scale)
-    return out.addmm_(rows.t(), rows, alpha=scale)
+        product = torch.mm(rows.t(), rows).to(_accumulator_dtype(rows))
+        return product if scale == 1.0 else product.mul_(scale)
+    if out.dtype == rows.dtype:
+        return out.addmm_(rows.t(), rows, alpha=scale)
+    return out.add_(torch.mm(rows.t(), rows), alpha=scale)
 
 
 def gram_with_ones(
@@ -111,13 +122,13 @@ def gram_with_ones(
     """``scale · [rows | 1]ᵀ [rows | 1]`` without materialising the concatenation.
 
     The top-left block is ``rowsᵀrows``, the last row and column hold the
-    column sums, and the corner is the row count.
+    column sums, and the corner is the row count. Accumulated in at least float32.
     """
     d = rows.shape[1]
     if out is None:
-        out = rows.new_zeros(d + 1, d + 1)
-    out[:d, :d].addmm_(rows.t(), rows, alpha=scale)
-    col_sum = rows.sum(dim=0)
+        out = rows.new_zeros(d + 1, d + 1, dtype=_accumulator_dtype(rows))
+    gram(rows, out[:d, :d], scale)
+    col_sum = rows.sum(dim=0, dtype=out.dtype)
     out[:d, d].add_(col_sum, alpha=scale)
     out[d, :d].add_(col_sum, alpha=scale)
     out[d, d].add_(rows.shape[0] * scale)

@@ -206,3 +206,17 @@ def test_reduce_equals_expand_when_rows_do_not_vary_over_positions() -> None:
     reduce = capture(conv, x, conv_factor_estimator="reduce").layers[0].block
     torch.testing.assert_close(reduce.a, expand.a, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(reduce.g, expand.g, rtol=1e-12, atol=1e-14)
+
+
+def test_bfloat16_products_accumulate_in_float32() -> None:
+    """factor_product_dtype=bfloat16: products in bf16, factors in float32, close to exact."""
+    conv = nn.Conv2d(3, 4, 3, padding=1)
+    x = torch.randn(4, 3, 8, 8)
+    conv64 = nn.Conv2d(3, 4, 3, padding=1).double()
+    conv64.load_state_dict(conv.state_dict())
+    exact = capture(conv64, x.double()).layers[0].block
+    fast = capture(conv, x, factor_product_dtype=torch.bfloat16).layers[0].block
+    assert fast.a.dtype == fast.g.dtype == torch.float32
+    for got, ref in ((fast.a, exact.a), (fast.g, exact.g)):
+        rel = (got.double() - ref).norm() / ref.norm()
+        assert rel < 1e-2, rel

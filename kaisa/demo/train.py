@@ -1,0 +1,440 @@
+"""One arm's training run: SGD (optionally with K-FAC) on a fixed data order.
+
+The training clock covers everything a training step does (batch gather,
+forward, backward, ``preconditioner.step()``, ``optimizer.step()``) and
+nothing else: evaluation on the test set, progress display and bookkeeping
+between steps run with the clock stopped. The learning rate follows a linear
+warm-up and then a cosine decay to zero at the end of the epoch budget, per
+step, identically for both arms.
+
+Under ``torch.distributed`` (a ``--nproc`` run) every rank sees the same
+global batch order and trains on its own slice of each global batch, so the
+global batch size, and with it the optimisation problem, does not depend on
+the number of processes. Evaluation is split across ranks the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kaisa.demo.config import ArmConfig, DemoConfig
+from kaisa.demo.data import NUM_CLASSES, FashionMNIST
+
+__all__ = [
+    "DistContext",
+    "EvalPoint",
+    "RunResult",
+    "build_demo_model",
+    "evaluate",
+    "train_arm",
+    "warmup_cosine",
+]
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place in the data-parallel group (``world == 1``: no group)."""
+
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process reports (rank 0)."""
+        return self.rank == 0
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Sum ``values`` over all ranks (identity for a single process)."""
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        tdist.all_reduce(t, op=tdist.ReduceOp.SUM)
+        return [float(v) for v in t.tolist()]
+
+    def all_reduce_max(self, value: float) -> float:
+        """Maximum of ``value`` over all ranks."""
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        return float(t.item())
+
+
+@dataclass(frozen=True)
+class EvalPoint:
+    """One evaluation on the test set during a run."""
+
+    arm: str
+    seed: int
+    step: int
+    epoch: float
+    train_seconds: float
+    test_accuracy: float
+    test_loss: float
+    train_loss: float
+
+
+@dataclass
+class RunResult:
+    """Everything measured in one (arm, seed) run."""
+
+    arm: str
+    seed: int
+    steps: int
+    steps_per_epoch: int
+    train_seconds: float
+    points: list[EvalPoint] = field(default_factory=list)
+    kfac_seconds: float = 0.0
+    kfac_phase_seconds: dict[str, float] = field(default_factory=dict)
+    peak_memory_mb: float | None = None
+    peak_memory_increase_mb: float | None = None
+    diverged: bool = False
+
+    @property
+    def seconds_per_step(self) -> float:
+        """Mean training-clock seconds per optimizer step."""
+        return self.train_seconds / max(1, self.steps)
+
+    @property
+    def kfac_seconds_per_step(self) -> float:
+        """Mean seconds per step spent in the preconditioner (0 for plain SGD)."""
+        return self.kfac_seconds / max(1, self.steps)
+
+    @property
+    def final_test_accuracy(self) -> float | None:
+        """Test accuracy at the last evaluation."""
+        return self.points[-1].test_accuracy if self.points else None
+
+    @property
+    def best_test_accuracy(self) -> float | None:
+        """Highest test accuracy seen at any evaluation."""
+        return max(p.test_accuracy for p in self.points) if self.points else None
+
+    def first_reaching(self, target: float) -> EvalPoint | None:
+        """The first evaluation whose test accuracy is at least ``target``."""
+        for p in self.points:
+            if p.test_accuracy >= target:
+                return p
+        return None
+
+    def summary(self, target: float) -> dict[str, Any]:
+        """A JSON-ready summary of this run."""
+        hit = self.first_reaching(target)
+        return {
+            "seed": self.seed,
+            "time_to_target_s": hit.train_seconds if hit else None,
+            "steps_to_target": hit.step if hit else None,
+            "epochs_to_target": hit.epoch if hit else None,
+            "final_test_accuracy": self.final_test_accuracy,
+            "best_test_accuracy": self.best_test_accuracy,
+            "train_seconds": self.train_seconds,
+            "steps": self.steps,
+            "seconds_per_step": self.seconds_per_step,
+            "kfac_seconds_per_step": self.kfac_seconds_per_step,
+            "kfac_phase_seconds": dict(self.kfac_phase_seconds),
+            "peak_memory_mb": self.peak_memory_mb,
+            "peak_memory_increase_mb": self.peak_memory_increase_mb,
+            "diverged": self.diverged,
+        }
+
+
+def warmup_cosine(peak: float, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """Learning rate at a 0-based step: linear warm-up to ``peak``, then cosine to 0."""
+    warmup_steps = max(0, min(warmup_steps, total_steps))
+    decay_steps = max(1, total_steps - warmup_steps)
+
+    def lr(step: int) -> float:
+        if step < warmup_steps:
+            return peak * (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / decay_steps)
+        return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return lr
+
+
+def build_demo_model(name: str, image_shape: tuple[int, int, int]) -> nn.Module:
+    """The named network from :mod:`kaisa.models` for this data's images."""
+    from kaisa.models import build_model
+
+    return build_model(name, in_channels=image_shape[0], num_classes=NUM_CLASSES)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, x: Tensor, y: Tensor, dist: DistContext, batch_size: int = 1000
+) -> tuple[float, float]:
+    """Test accuracy and mean cross-entropy over ``(x, y)``, split across ranks."""
+    was_training = model.training
+    model.eval()
+    xs, ys = x[dist.rank :: dist.world], y[dist.rank :: dist.world]
+    correct = 0.0
+    loss_sum = 0.0
+    for i in range(0, xs.shape[0], batch_size):
+        out = model(xs[i : i + batch_size])
+        target = ys[i : i + batch_size]
+        loss_sum += float(F.cross_entropy(out, target, reduction="sum"))
+        correct += float((out.argmax(dim=1) == target).sum())
+    model.train(was_training)
+    correct, loss_sum, count = dist.all_reduce_sum([correct, loss_sum, float(xs.shape[0])])
+    return correct / count, loss_sum / count
+
+
+# --- peak memory ---------------------------------------------------------------
+
+
+def _status_kb(key: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return float(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter for this process (Linux); True on success."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _peak_rss_mb() -> float:
+    hwm = _status_kb("VmHWM")
+    if hwm is not None:
+        return hwm / 1024.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _current_rss_mb() -> float | None:
+    rss = _status_kb("VmRSS")
+    return rss / 1024.0 if rss is not None else None
+
+
+# --- training ------------------------------------------------------------------
+
+
+def _eval_interval(config: DemoConfig, last_acc: float | None, reached: bool) -> int:
+    """Steps until the next evaluation: fine-grained only just below the target.
+
+    Evaluation is excluded from the clock but not free, so the test set is
+    evaluated every ``eval_every`` steps, and every ``eval_every_near`` steps
+    while the accuracy is within ``near_margin`` below a target not reached
+    yet, where the time to the target is decided. Both arms follow the same rule.
+    """
+    near = (
+        not reached
+        and last_acc is not None
+        and config.target_accuracy - config.near_margin <= last_acc < config.target_accuracy
+    )
+    if near:
+        return config.eval_every_near or max(1, config.eval_every // 4)
+    return config.eval_every
+
+
+def _make_preconditioner(model: nn.Module, arm: ArmConfig, optimizer: torch.optim.SGD) -> Any:
+    from kaisa import KFACPreconditioner
+
+    assert arm.kfac is not None
+    k = arm.kfac
+
+    def current_lr(_step: int) -> float:
+        return float(optimizer.param_groups[0]["lr"])
+
+    return KFACPreconditioner(
+        model,
+        factor_update_steps=k.factor_update_steps,
+        inv_update_steps=k.inv_update_steps,
+        damping=k.damping,
+        factor_decay=k.factor_decay,
+        kl_clip=k.kl_clip,
+        lr=current_lr,
+        grad_worker_fraction=k.grad_worker_fraction,
+    )
+
+
+def _kfac_phase_seconds(pre: Any) -> dict[str, float]:
+    telemetry = getattr(pre, "telemetry", None)
+    phases = getattr(telemetry, "phase_seconds", None)
+    if phases is None:
+        return {}
+    return {str(k): float(v) for k, v in dict(phases).items()}
+
+
+def train_arm(
+    data: FashionMNIST,
+    config: DemoConfig,
+    arm: ArmConfig,
+    seed: int,
+    dist: DistContext | None = None,
+    progress: bool = False,
+) -> RunResult:
+    """Train ``config.model`` with ``arm``'s optimizer for ``config.epochs`` epochs.
+
+    The model's initial weights and the order of the training batches depend on
+    ``seed`` only, so both arms of a comparison start from the same weights and
+    see the same batches.
+    """
+    dist = dist or DistContext()
+    batch = config.batch_size
+    if batch % dist.world:
+        raise ValueError(f"batch size {batch} is not divisible by {dist.world} processes")
+    n_train = data.train_x.shape[0]
+    steps_per_epoch = n_train // batch
+    if steps_per_epoch < 1:
+        raise ValueError(f"batch size {batch} is larger than the training set ({n_train})")
+    total_steps = steps_per_epoch * config.epochs
+    warmup_steps = round(config.warmup_epochs * steps_per_epoch)
+    schedule = warmup_cosine(arm.lr, warmup_steps, total_steps)
+
+    torch.manual_seed(seed)
+    model: nn.Module = build_demo_model(config.model, data.image_shape)
+    if dist.world > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    model.train()
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=schedule(0), momentum=arm.momentum, weight_decay=arm.weight_decay
+    )
+    pre = _make_preconditioner(model, arm, optimizer) if arm.kfac is not None else None
+    order = torch.Generator().manual_seed(seed)
+
+    reset_ok = _reset_peak_rss()
+    rss_before = _current_rss_mb()
+    result = RunResult(arm.name, seed, 0, steps_per_epoch, 0.0)
+    clock = 0.0
+    kfac_clock = 0.0
+    loss_sum = 0.0
+    loss_count = 0
+    step = 0
+    last_acc: float | None = None
+    reached = False
+    next_eval = _eval_interval(config, None, False)
+
+    def record() -> None:
+        nonlocal loss_sum, loss_count, last_acc
+        acc, test_loss = evaluate(model, data.test_x, data.test_y, dist)
+        train_loss = dist.all_reduce_sum([loss_sum])[0] / max(1, loss_count * dist.world)
+        result.points.append(
+            EvalPoint(
+                arm.name, seed, step, step / steps_per_epoch, clock, acc, test_loss, train_loss
+            )
+        )
+        loss_sum, loss_count, last_acc = 0.0, 0, acc
+
+    show = progress and dist.is_main
+    for epoch in range(config.epochs):
+        perm = torch.randperm(n_train, generator=order)
+        desc = f"{arm.name:>5} seed {seed} epoch {epoch + 1}/{config.epochs}"
+        bar = _EpochBar(steps_per_epoch, desc) if show else None
+        epoch_loss = 0.0
+        for i in range(steps_per_epoch):
+            t0 = time.perf_counter()
+            idx = perm[i * batch : (i + 1) * batch][dist.rank :: dist.world]
+            x, y = data.train_x[idx], data.train_y[idx]
+            lr = schedule(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            torch.autograd.backward(loss)
+            if pre is not None:
+                k0 = time.perf_counter()
+                pre.step()
+                kfac_clock += time.perf_counter() - k0
+            optimizer.step()
+            value = float(loss.detach())
+            clock += time.perf_counter() - t0
+            step += 1
+            if not math.isfinite(value):
+                result.diverged = True
+                break
+            loss_sum += value
+            loss_count += 1
+            if bar is not None:
+                epoch_loss += value
+                post = f"loss {epoch_loss / (i + 1):.3f}"
+                if last_acc is not None:
+                    post += f" test acc {last_acc:.4f}"
+                bar.update(post)
+            if step >= next_eval or step == total_steps:
+                record()
+                reached = reached or (last_acc is not None and last_acc >= config.target_accuracy)
+                next_eval = step + _eval_interval(config, last_acc, reached)
+        if bar is not None:
+            final = "diverged" if result.diverged else f"loss {epoch_loss / steps_per_epoch:.3f}"
+            if last_acc is not None:
+                final += f" test acc {last_acc:.4f}"
+            bar.close(final)
+        if result.diverged:
+            break
+    if result.diverged and (not result.points or result.points[-1].step != step):
+        record()
+
+    result.steps = step
+    result.train_seconds = clock
+    phases = _kfac_phase_seconds(pre) if pre is not None else {}
+    result.kfac_phase_seconds = phases
+    # K-FAC's cost per step: the time inside preconditioner.step() plus the
+    # captures its hooks make during the forward and backward passes (the
+    # telemetry's "capture" phase; its other phases happen inside step()).
+    result.kfac_seconds = kfac_clock + phases.get("capture", 0.0)
+    peak = dist.all_reduce_max(_peak_rss_mb())
+    result.peak_memory_mb = peak
+    if reset_ok and rss_before is not None:
+        result.peak_memory_increase_mb = dist.all_reduce_max(peak - rss_before)
+    return result
+
+
+class _EpochBar:
+    """Progress of one epoch: a tqdm bar on a terminal, one summary line otherwise."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self._desc = desc
+        self._post = ""
+        self._bar: Any = None
+        self._start = time.perf_counter()
+        if sys.stdout.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:  # pragma: no cover - tqdm comes with the demo extra
+                return
+            self._bar = tqdm(
+                total=total,
+                desc=desc,
+                unit="step",
+                leave=True,
+                dynamic_ncols=True,
+                mininterval=0.5,
+                file=sys.stdout,
+            )
+
+    def update(self, postfix: str) -> None:
+        self._post = postfix
+        if self._bar is not None:
+            self._bar.set_postfix_str(postfix, refresh=False)
+            self._bar.update(1)
+
+    def close(self, postfix: str | None = None) -> None:
+        if postfix is not None:
+            self._post = postfix
+        if self._bar is not None:
+            self._bar.set_postfix_str(self._post, refresh=True)
+            self._bar.close()
+        else:
+            elapsed = time.perf_counter() - self._start
+            print(f"{self._desc}: {self._post} ({elapsed:.1f} s)", flush=True)
