@@ -440,10 +440,14 @@ class KFACPreconditioner:
         rank = self.rank
         pairs: list[tuple[_Layer, torch.Tensor, torch.Tensor]] = []
         sends: list[tuple[int, torch.Tensor]] = []
+        # A layer not called this step keeps its raw gradient. With several ranks
+        # a data-dependent branch may call it on some ranks only; the ranks agree
+        # (called anywhere) so that broadcasts pair up and weights stay identical.
+        called = self.comm.any_rank([layer.called for layer in self.layers])
         with self.telemetry.timer("precondition"):
-            for layer in self.layers:
-                if not layer.called:
-                    continue  # not used this step: the raw gradient stays
+            for layer, was_called in zip(self.layers, called, strict=True):
+                if not was_called:
+                    continue
                 grad = layer.handler.grad_matrix()
                 if grad is None:
                     continue

@@ -26,8 +26,10 @@ PHASES = (
     "kl_clip",
 )
 
-#: Kinds of collective whose traffic is counted.
-COLLECTIVES = ("factor_allreduce", "inverse_broadcast", "grad_broadcast")
+#: Kinds of collective whose traffic is counted: the three of spec §5's cost
+#: model, and the per-step agreement on which layers ran (``len(layers)``
+#: elements, only with several ranks).
+COLLECTIVES = ("factor_allreduce", "inverse_broadcast", "grad_broadcast", "layer_flags")
 
 
 class Telemetry:

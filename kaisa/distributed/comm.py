@@ -2,12 +2,18 @@
 
 The communicator owns the process groups (created once, at construction, by
 every rank in the same order, as ``torch.distributed.new_group`` requires):
-one per gradient-worker column with more than one member and one per receiver
-row with more than one member. With one rank, or without an initialised
-process group, every operation is local and sends nothing.
+one of all ranks for the factor all-reduce, one per gradient-worker column
+with more than one member and one per receiver row with more than one member.
+With one rank, or without an initialised process group, every operation is
+local and sends nothing.
 
 All collectives are launched asynchronously and waited for in a fixed order,
-so every rank issues the same calls on each group in the same order.
+so every rank issues the same calls on each group in the same order. The
+factor all-reduce is launched from backward hooks, at moments that depend on
+what each rank's backward pass does, so it has a group of its own (its calls
+cannot interleave differently with DDP's or the user's on the default group)
+and its buckets are launched strictly in bucket order (a layer one rank did
+not capture holds back the later buckets there until ``reduced_factors``).
 """
 
 from __future__ import annotations
@@ -102,6 +108,7 @@ class Communicator:
         self.symmetry_aware = symmetry_aware
         self.device = device if device is not None else torch.device("cpu")
         self.dtype = dtype
+        self.allreduce_group: dist.ProcessGroup | None = None
         self.column_groups: dict[int, dist.ProcessGroup | None] = {}
         self.row_groups: dict[int, dist.ProcessGroup | None] = {}
         if self.world_size > 1:
@@ -117,6 +124,7 @@ class Communicator:
         plan = self.plan
         m, cols, n = plan.grad_workers, plan.num_columns, plan.world_size
         # Every rank creates every group, in the same order.
+        self.allreduce_group = dist.new_group(list(range(n)))
         for c in range(cols):
             ranks = plan.column_ranks(c)
             if m == n:
@@ -161,7 +169,8 @@ class Communicator:
         """Hand over one layer's final batch factors for this step.
 
         The layer's bucket is all-reduced (asynchronously) as soon as all of its
-        layers are in; :meth:`reduced_factors` sends whatever is left.
+        layers and all earlier buckets are in; :meth:`reduced_factors` sends
+        whatever is left.
         """
         bucket = self._bucket_of[name]
         if bucket.work is not None or name in bucket.ready:
@@ -171,8 +180,12 @@ class Communicator:
                 "accumulation_steps"
             )
         bucket.ready[name] = (a_batch, g_batch)
-        if self.distributed and len(bucket.ready) == len(bucket.names):
-            self._launch(bucket)
+        if self.distributed:
+            for queued in self._buckets:  # in bucket order, up to the first incomplete one
+                if queued.work is None:
+                    if len(queued.ready) < len(queued.names):
+                        break
+                    self._launch(queued)
 
     def _launch(self, bucket: _Bucket) -> None:
         pieces: list[torch.Tensor] = []
@@ -187,7 +200,7 @@ class Communicator:
                 pieces.append(pack_symmetric(matrix) if self.symmetry_aware else matrix.reshape(-1))
         buffer = torch.cat(pieces)
         with self.telemetry.timer("factor_allreduce"):
-            bucket.work = dist.all_reduce(buffer, async_op=True)
+            bucket.work = dist.all_reduce(buffer, group=self.allreduce_group, async_op=True)
         bucket.buffer = buffer
         self.telemetry.count("factor_allreduce", buffer)
 
@@ -235,6 +248,21 @@ class Communicator:
                 )
             out[name] = (matrices[0], matrices[1])
         return out
+
+    # -- agreement ----------------------------------------------------------------
+    def any_rank(self, flags: Sequence[bool]) -> list[bool]:
+        """For each flag, whether it is set on any rank (a tiny all-reduce).
+
+        Used to agree on which layers took part in a step, so that a layer a
+        data-dependent branch skipped on some ranks is treated alike everywhere.
+        Counted in telemetry as 'layer_flags', outside spec §5's cost model.
+        """
+        if not self.distributed or not flags:
+            return list(flags)
+        tensor = torch.tensor([1.0 if f else 0.0 for f in flags], device=self.device)
+        dist.all_reduce(tensor, group=self.allreduce_group)
+        self.telemetry.count("layer_flags", tensor)
+        return [value > 0 for value in tensor.tolist()]
 
     # -- broadcasts ---------------------------------------------------------------
     def broadcast_decompositions(

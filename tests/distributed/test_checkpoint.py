@@ -1,0 +1,126 @@
+"""Checkpoints under KAISA: each rank's own, or one written by rank 0 for all.
+
+Each rank holds second-order state only for the layers of its gradient-worker
+column, so the usual "save on rank 0, load everywhere" checkpoint lacks the
+other columns' state. Loading it must not leave those ranks preconditioning
+with the identity's decomposition: they recompute their layers' state from the
+(checkpointed, all-reduced) factors at the next step, exactly as if they had
+an inverse update there, while rank 0's column continues from the checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from harness import run_distributed
+from test_equivalence import (
+    DAMPING,
+    FACTOR_DECAY,
+    GLOBAL_BATCH,
+    KL_CLIP,
+    LR,
+    STEPS,
+    data,
+    flat_weights,
+    make_model,
+)
+
+import kaisa
+from kaisa.distributed.cost import rank_memory
+
+RESUME_AT = 2  # mid-way between inverse updates (at 0 and 4): a missing state shows
+INV_UPDATE_STEPS = 4
+MODES = ("uninterrupted", "own", "rank0", "expected_rank0")
+
+
+def _build(fraction: float, inv_update_steps: int) -> tuple[Any, Any, Any]:
+    model = make_model("net")
+    preconditioner = kaisa.KFACPreconditioner(
+        model,
+        factor_update_steps=1,
+        inv_update_steps=inv_update_steps,
+        damping=DAMPING,
+        factor_decay=FACTOR_DECAY,
+        kl_clip=KL_CLIP,
+        lr=LR,
+        grad_worker_fraction=fraction,
+    )
+    return model, preconditioner, torch.optim.SGD(model.parameters(), lr=LR)
+
+
+def _train(rank: int, world_size: int, fraction: float, mode: str) -> dict[str, Any]:
+    xs, ys = data()
+    local = GLOBAL_BATCH // world_size
+    columns = world_size // max(1, round(fraction * world_size))
+    inv_update_steps = INV_UPDATE_STEPS
+    if mode == "expected_rank0" and rank % columns != 0:
+        # Outside rank 0's column: an extra inverse update at RESUME_AT.
+        inv_update_steps = RESUME_AT
+    model, preconditioner, optimizer = _build(fraction, inv_update_steps)
+    for step in range(STEPS):
+        if step == RESUME_AT and mode in ("own", "rank0"):
+            state = [preconditioner.state_dict(), model.state_dict()]
+            if mode == "rank0":
+                dist.broadcast_object_list(state, src=0)
+            preconditioner.remove_hooks()
+            model, preconditioner, optimizer = _build(fraction, inv_update_steps)
+            model.load_state_dict(state[1])
+            preconditioner.load_state_dict(state[0])
+        x = xs[step, rank * local : (rank + 1) * local]
+        y = ys[step, rank * local : (rank + 1) * local]
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            assert p.grad is not None
+            dist.all_reduce(p.grad)
+            p.grad.div_(world_size)
+        preconditioner.step()
+        optimizer.step()
+    return {
+        "weights": flat_weights(model),
+        "second_order": preconditioner.memory_usage()["second_order"],
+        "plan": preconditioner.plan,
+    }
+
+
+def _worker(rank: int, world_size: int, fractions: list[float]) -> dict[Any, Any]:
+    return {(f, mode): _train(rank, world_size, f, mode) for f in fractions for mode in MODES}
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_resume_from_own_and_from_rank0_checkpoints(world_size: int) -> None:
+    fractions = [0.25, 0.5, 1.0]
+    results = run_distributed(_worker, world_size, fractions, timeout=120)
+    for f in fractions:
+        for rank in range(world_size):
+            got = {mode: results[rank][(f, mode)] for mode in MODES}
+            where = f"fraction {f}, rank {rank}"
+            reference = results[0][(f, "uninterrupted")]["weights"]
+            # Every rank ends with the same weights, whichever checkpoint it loaded.
+            for mode in MODES:
+                assert torch.equal(got[mode]["weights"], results[0][(f, mode)]["weights"]), (
+                    f"{where}, {mode}: weights differ from rank 0's"
+                )
+            # Its own checkpoint: bit-identical continuation.
+            assert torch.equal(got["own"]["weights"], reference), where
+            # Rank 0's: its column continues from the checkpoint, the others
+            # recompute at the next step, as if they had an inverse update there.
+            assert torch.equal(got["rank0"]["weights"], got["expected_rank0"]["weights"]), where
+            if f == 1.0:  # rank 0's checkpoint is complete
+                assert torch.equal(got["rank0"]["weights"], reference), where
+            # No rank keeps second-order state it does not work on.
+            plan = got["rank0"]["plan"]
+            expected = rank_memory(plan, rank, "eigen", eigen_outer_product=False).second_order
+            expected += sum(
+                la.a_size * la.g_size for la in plan.layers if plan.is_grad_worker(la.name, rank)
+            )  # the outer product, kept with the eigenvalues (see test_traffic)
+            assert got["rank0"]["second_order"] == expected * 4, where
+    # The scenario has teeth: rank 0's checkpoint misses state when m < N.
+    assert not torch.equal(
+        results[0][(0.25, "expected_rank0")]["weights"],
+        results[0][(0.25, "uninterrupted")]["weights"],
+    )

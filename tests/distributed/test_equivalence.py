@@ -1,0 +1,348 @@
+"""Batch-split invariance under KAISA (spec §3, §5), in real gloo process groups.
+
+For world sizes 1, 2 and 4, every gradient-worker fraction the world size
+allows, both compute methods, ``symmetry_aware`` and ``colocate_factors`` on
+and off, splitting one global batch over the ranks must give the weights one
+process gets from the whole batch, and every rank must hold the same weights
+after every step. Also checked: a DistributedDataParallel-wrapped model,
+factors computed in ``step()`` rather than in the hooks, gradient
+accumulation (two micro-batches, each loss halved), one all-reduce bucket
+per layer, a layer called twice per forward pass, a model with fewer layers
+than gradient-worker columns, and a layer that no rank uses at some steps.
+A last test has one rank skip a layer the others use (data-dependent
+control flow): the ranks must still agree and must not hang.
+
+Process start-up dominates the cost, so each world size is one spawned run
+that loops over all its configurations, building a fresh model and
+preconditioner for each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from harness import run_distributed
+from torch import nn
+
+import kaisa
+
+STEPS = 4
+GLOBAL_BATCH = 16
+LR = 0.1
+SEED = 1234
+CLASSES = 3
+
+# Small enough a decay that the batch factors, not the identity the factors
+# start from, shape the steps; the default damping and KL bound.
+DAMPING = 1e-3
+FACTOR_DECAY = 0.3
+KL_CLIP = 1e-3
+
+# Tolerance on the weights (absolute; they are O(0.1-1)), float32 throughout.
+# Splitting the batch changes only the order of float32 sums: per-rank partial
+# sums of āᵀā, δᵀδ and the gradients, then the all-reduce (DDP also divides
+# by N before summing), so factors and gradients match the single process to
+# a few ulps; the damped solves and four SGD steps amplify that a little.
+# Measured worst case over all configurations: 2.8e-7 (about 10 ulps at the
+# weights' scale), so 3e-6 leaves a 10x margin. The errors this test exists
+# to catch are far larger: a G that grows with N² (the published
+# implementation's convention, spec §3) at N = 2 moves the weights by
+# 8e-3 (eigen) and 2e-2 (inverse), K-FAC itself moves them by ~0.2 (checked).
+TOLERANCE = 3e-6
+
+
+class Net(nn.Module):
+    """Conv2d (with and without bias) and Linear (with and without bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 5, 3, stride=2, bias=False)
+        self.fc1 = nn.Linear(5 * 2 * 2, 8)
+        self.fc2 = nn.Linear(8, CLASSES, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv1(x))
+        x = torch.tanh(self.conv2(x))
+        x = torch.tanh(self.fc1(x.flatten(1)))
+        return self.fc2(x)
+
+
+class SharedNet(nn.Module):
+    """A Linear layer called twice per forward pass (weight sharing, spec §3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, stride=2)
+        self.shared = nn.Linear(12, 12)
+        self.head = nn.Linear(12, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.conv(x)).flatten(1)
+        x = torch.tanh(self.shared(torch.tanh(self.shared(x))))
+        return self.head(x)
+
+
+class OneLayer(nn.Module):
+    """One registered layer: at N = 4 most gradient-worker columns own nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2 * 2 * 2, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.avg_pool2d(x, 3).flatten(1))
+
+
+class Branchy(nn.Module):
+    """A Linear layer that the forward pass skips while ``use_branch`` is off."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, stride=2)
+        self.branch = nn.Linear(12, 12)
+        self.head = nn.Linear(12, CLASSES)
+        self.use_branch = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.conv(x)).flatten(1)
+        if self.use_branch:
+            x = torch.tanh(self.branch(x))
+        return self.head(x)
+
+
+MODELS = {"net": Net, "shared": SharedNet, "one_layer": OneLayer, "branchy": Branchy}
+BRANCH_SKIPPED = (1, 2)  # steps at which Branchy skips its branch on every rank
+SMALL_BUCKET_MB = 1e-4  # 26 float32 elements: one all-reduce bucket per layer
+
+
+@dataclass(frozen=True)
+class Config:
+    fraction: float = 1.0
+    compute_method: str = "eigen"
+    symmetry_aware: bool = False
+    colocate_factors: bool = True
+    ddp: bool = False
+    update_factors_in_hook: bool = True
+    accumulation_steps: int = 1
+    eigen_outer_product: bool = True
+    model: str = "net"
+    bucket_cap_mb: float = 25.0
+    branch_skipped_on: int | None = None  # Branchy: the one rank that skips (None: all)
+
+    def reference_key(self) -> tuple[str, bool, str]:
+        """The single-process run this configuration must reproduce."""
+        return (self.compute_method, self.eigen_outer_product, self.model)
+
+
+def fractions(world_size: int) -> list[float]:
+    """Every fraction ``m / N`` with ``m`` dividing ``N``."""
+    return [m / world_size for m in range(1, world_size + 1) if world_size % m == 0]
+
+
+def configs(world_size: int) -> list[Config]:
+    grid = [
+        Config(f, method, sym, colocate)
+        for f, method, sym, colocate in itertools.product(
+            fractions(world_size), ("eigen", "inverse"), (False, True), (False, True)
+        )
+    ]
+    extra = []
+    for i, (f, method) in enumerate(itertools.product(fractions(world_size), ("eigen", "inverse"))):
+        extra += [
+            Config(f, method, symmetry_aware=i % 2 == 1, ddp=True, bucket_cap_mb=SMALL_BUCKET_MB),
+            Config(f, method, colocate_factors=i % 2 == 1, update_factors_in_hook=False),
+            Config(f, method, accumulation_steps=2, ddp=i % 2 == 0),
+            Config(f, method, accumulation_steps=2, ddp=i % 2 == 1, update_factors_in_hook=False),
+        ]
+    for i, f in enumerate(fractions(world_size)):
+        extra += [
+            # The eigen method without the precomputed outer product.
+            Config(f, "eigen", eigen_outer_product=False, ddp=True),
+            # Small buckets, all-reduced from the hooks while the backward pass runs.
+            Config(f, "eigen", symmetry_aware=True, bucket_cap_mb=SMALL_BUCKET_MB),
+            Config(f, "inverse", model="shared", colocate_factors=False, ddp=i % 2 == 0),
+            Config(f, "eigen", model="shared", accumulation_steps=2, symmetry_aware=True),
+            Config(f, "inverse", model="one_layer", ddp=i % 2 == 1),
+            # A layer that no rank uses at some steps (DDP: find_unused_parameters).
+            Config(f, "eigen", model="branchy", ddp=i % 2 == 0),
+            Config(f, "inverse", model="branchy", ddp=i % 2 == 1, update_factors_in_hook=False),
+        ]
+    return grid + extra
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of every step: ``(STEPS, GLOBAL_BATCH, ...)``."""
+    gen = torch.Generator().manual_seed(SEED)
+    x = torch.randn(STEPS, GLOBAL_BATCH, 2, 6, 6, generator=gen)
+    y = torch.randint(0, CLASSES, (STEPS, GLOBAL_BATCH), generator=gen)
+    return x, y
+
+
+def make_model(kind: str = "net") -> nn.Module:
+    torch.manual_seed(SEED)
+    return MODELS[kind]()
+
+
+def flat_weights(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def make_preconditioner(model: nn.Module, config: Config) -> kaisa.KFACPreconditioner:
+    return kaisa.KFACPreconditioner(
+        model,
+        factor_update_steps=1,
+        inv_update_steps=2,
+        damping=DAMPING,
+        factor_decay=FACTOR_DECAY,
+        kl_clip=KL_CLIP,
+        lr=LR,
+        accumulation_steps=config.accumulation_steps,
+        colocate_factors=config.colocate_factors,
+        compute_method=config.compute_method,
+        compute_eigenvalue_outer_product=config.eigen_outer_product,
+        grad_worker_fraction=config.fraction,
+        symmetry_aware=config.symmetry_aware,
+        update_factors_in_hook=config.update_factors_in_hook,
+        allreduce_bucket_cap_mb=config.bucket_cap_mb,
+    )
+
+
+def train(config: Config, rank: int, world_size: int) -> list[torch.Tensor]:
+    """Run STEPS steps on this rank's share of each global batch; weights after each step.
+
+    Without a process group (``world_size == 1`` and no ``dist``), this is the
+    single-process reference seeing the whole batch.
+    """
+    xs, ys = data()
+    model = make_model(config.model)
+    net: nn.Module = model
+    if config.ddp:
+        net = nn.parallel.DistributedDataParallel(
+            model, find_unused_parameters=config.model == "branchy"
+        )
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    preconditioner = make_preconditioner(net, config)
+    assert preconditioner.world_size == world_size
+    local = GLOBAL_BATCH // world_size
+    micro = local // config.accumulation_steps
+    history = []
+    for step in range(STEPS):
+        x = xs[step, rank * local : (rank + 1) * local]
+        y = ys[step, rank * local : (rank + 1) * local]
+        optimizer.zero_grad()
+        if isinstance(model, Branchy):
+            model.use_branch = step not in BRANCH_SKIPPED or config.branch_skipped_on not in (
+                None,
+                rank,
+            )
+        for k in range(config.accumulation_steps):
+            xb, yb = x[k * micro : (k + 1) * micro], y[k * micro : (k + 1) * micro]
+            last = k == config.accumulation_steps - 1
+            sync = net.no_sync() if config.ddp and not last else contextlib.nullcontext()
+            with sync:
+                loss = F.cross_entropy(net(xb), yb) / config.accumulation_steps
+                loss.backward()
+        if world_size > 1 and not config.ddp:
+            for p in model.parameters():
+                if p.grad is None and config.branch_skipped_on is not None:
+                    p.grad = torch.zeros_like(p)  # used on the other ranks
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(world_size)
+        preconditioner.step()
+        optimizer.step()
+        history.append(flat_weights(model))
+    preconditioner.remove_hooks()
+    return history
+
+
+def _worker(rank: int, world_size: int, config_dicts: list[dict[str, object]]) -> list[object]:
+    return [
+        torch.stack(train(Config(**c), rank, world_size))  # type: ignore[arg-type]
+        for c in config_dicts
+    ]
+
+
+def reference(config: Config) -> torch.Tensor:
+    """Single process, no process group, whole global batch: ``(STEPS, params)``."""
+    assert not dist.is_initialized()
+    plain = Config(
+        compute_method=config.compute_method,
+        eigen_outer_product=config.eigen_outer_product,
+        model=config.model,
+    )
+    return torch.stack(train(plain, 0, 1))
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """One intra-op thread for the in-process reference (the machine is small and shared)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_batch_split_invariance(world_size: int) -> None:
+    cases = configs(world_size)
+    results = run_distributed(_worker, world_size, [asdict(c) for c in cases], timeout=120)
+    with single_thread():
+        references = {c.reference_key(): reference(c) for c in cases}
+    for key, ref in references.items():
+        initial = flat_weights(make_model(key[2]))
+        # The check has teeth: K-FAC moves the weights by far more than TOLERANCE.
+        assert (ref[-1] - initial).abs().max() > 1e4 * TOLERANCE, key
+    for i, config in enumerate(cases):
+        per_rank = [result[i] for result in results]
+        for rank in range(1, world_size):
+            for step in range(STEPS):
+                assert torch.equal(per_rank[rank][step], per_rank[0][step]), (
+                    f"{config}: after step {step}, rank {rank} holds different weights from rank 0"
+                )
+        torch.testing.assert_close(
+            per_rank[0],
+            references[config.reference_key()],
+            rtol=0.0,
+            atol=TOLERANCE,
+            msg=lambda m, config=config: f"{config} (world size {world_size}): {m}",
+        )
+
+
+def test_a_layer_that_only_some_ranks_use() -> None:
+    """Data-dependent control flow: at some steps one rank skips a layer the others use.
+
+    Whether a rank called the layer must not decide which collectives it takes
+    part in (the broadcasts and all-reduces would not pair up: a hang or a
+    gloo size mismatch). The run must finish with the same weights everywhere.
+    It is not compared with one process: kaisa averages that layer's batch
+    factors over all ranks, the skipping rank contributing zeros, whereas one
+    process would average over the rows that went through the layer.
+    """
+    world_size = 4
+    cases = [
+        Config(
+            f, method, model="branchy", ddp=ddp, update_factors_in_hook=hook, branch_skipped_on=1
+        )
+        for f, method, ddp, hook in itertools.product(
+            (0.25, 0.5, 1.0), ("eigen", "inverse"), (False, True), (False, True)
+        )
+        if (method == "eigen") == (ddp == hook)  # half of the combinations
+    ]
+    results = run_distributed(_worker, world_size, [asdict(c) for c in cases], timeout=120)
+    for i, config in enumerate(cases):
+        assert torch.isfinite(results[0][i]).all(), config
+        for rank in range(1, world_size):
+            assert torch.equal(results[rank][i], results[0][i]), (
+                f"{config}: rank {rank} holds different weights from rank 0"
+            )
