@@ -11,6 +11,11 @@ NPROC ?= 1
 
 .PHONY: test demo demo-quick lint typecheck venv data clean
 
+.DEFAULT_GOAL := test
+
+# `make demo`, `make demo-quick` and `make data` live in demo.mk.
+include demo.mk
+
 $(STAMP): pyproject.toml constraints.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip

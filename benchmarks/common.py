@@ -214,7 +214,8 @@ def parse_key_values(items: Iterable[str], option: str = "--extra") -> dict[str,
     """Parse ``key=value`` strings; values are Python literals, else plain strings.
 
     ``["damping=1e-3", "compute_method=eigen", "skip_layers=['fc']"]`` gives
-    ``{"damping": 0.001, "compute_method": "eigen", "skip_layers": ["fc"]}``.
+    ``{"damping": 0.001, "compute_method": "eigen", "skip_layers": ["fc"]}``;
+    ``torch.NAME`` values become that torch attribute (``torch.bfloat16``).
     Raises ``ValueError`` naming ``option`` for an item without ``=`` or key.
     """
     result: dict[str, Any] = {}
@@ -225,10 +226,16 @@ def parse_key_values(items: Iterable[str], option: str = "--extra") -> dict[str,
             raise ValueError(
                 f"{option} expects key=value with a Python identifier key, got {item!r}"
             )
+        raw = raw.strip()
+        if raw.startswith("torch.") and raw[6:].isidentifier():
+            import torch
+
+            result[key] = getattr(torch, raw[6:])
+            continue
         try:
-            result[key] = ast.literal_eval(raw.strip())
+            result[key] = ast.literal_eval(raw)
         except (ValueError, SyntaxError):
-            result[key] = raw.strip()
+            result[key] = raw
     return result
 
 
