@@ -19,10 +19,11 @@ class KfacConfig:
 
     factor_update_steps: int = 10
     inv_update_steps: int = 100
-    damping: float = 0.003
+    damping: float = 0.03
     kl_clip: float | None = 0.001
     factor_decay: float = 0.95
     grad_worker_fraction: float = 1.0
+    conv_factor_estimator: str = "reduce"
 
 
 @dataclass(frozen=True)

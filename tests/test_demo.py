@@ -1,0 +1,274 @@
+"""The demo's code paths on a tiny Fashion-MNIST look-alike written by the tests.
+
+The data set is a few hundred 28x28 images in the real IDX gzip format whose
+class is a bright horizontal band at a class-dependent height, so a few
+steps of training already separate the classes.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kaisa.demo.cli import main
+from kaisa.demo.data import FILES, DatasetError, load_fashion_mnist, read_idx, write_idx
+from kaisa.demo.train import warmup_cosine
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_ARGS = [
+    "--model",
+    "gap_cnn",
+    "--epochs",
+    "2",
+    "--batch-size",
+    "32",
+    "--eval-every",
+    "4",
+    "--target",
+    "0.3",
+    "--seeds",
+    "0,1",
+    "--threads",
+    "1",
+    "--no-progress",
+]
+
+
+def _images(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    labels = rng.integers(0, 10, n).astype(np.uint8)
+    images = rng.integers(0, 80, (n, 28, 28)).astype(np.uint8)
+    for i, label in enumerate(labels):
+        row = 2 + 2 * int(label)
+        images[i, row : row + 3, :] = 240
+    return images, labels
+
+
+def write_tiny(directory: Path, n_train: int = 256, n_test: int = 64) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    x, y = _images(rng, n_train)
+    write_idx(directory / FILES["train_images"], x)
+    write_idx(directory / FILES["train_labels"], y)
+    x, y = _images(rng, n_test)
+    write_idx(directory / FILES["test_images"], x)
+    write_idx(directory / FILES["test_labels"], y)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny(tmp_path_factory.mktemp("fmnist"))
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _check_outputs(out: Path, arms: tuple[str, ...] = ("sgd", "kaisa")) -> dict[str, object]:
+    results = json.loads((out / "results.json").read_text())
+    assert results["target_accuracy"] == pytest.approx(0.3)
+    assert set(results["arms"]) == set(arms)
+    for name in arms:
+        arm = results["arms"][name]
+        for key in (
+            "time_to_target_s",
+            "epochs_to_target",
+            "final_test_accuracy",
+            "seconds_per_step",
+            "hyperparameters",
+        ):
+            assert key in arm, key
+        assert arm["time_to_target_s"] is None or arm["time_to_target_s"] > 0
+        assert 0.0 <= arm["final_test_accuracy"] <= 1.0
+        assert arm["seconds_per_step"] > 0
+        assert arm["hyperparameters"]["lr"] > 0
+    if "kaisa" in arms:
+        assert "kfac" in results["arms"]["kaisa"]["hyperparameters"]
+    with (out / "evaluations.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert rows
+    assert {r["arm"] for r in rows} == set(arms)
+    for r in rows:
+        assert 0.0 <= float(r["test_accuracy"]) <= 1.0
+        assert float(r["train_seconds"]) >= 0.0
+        int(r["step"]), int(r["seed"]), float(r["epoch"]), float(r["test_loss"])
+    assert (out / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return results
+
+
+# --- the IDX reader -------------------------------------------------------------------
+
+
+def test_idx_round_trip_and_loader(tmp_path: Path) -> None:
+    arr = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    write_idx(tmp_path / "x.gz", arr)
+    np.testing.assert_array_equal(read_idx(tmp_path / "x.gz", ndim=3), arr)
+    data = load_fashion_mnist(write_tiny(tmp_path / "d", 40, 10))
+    assert data.train_x.shape == (40, 1, 28, 28) and data.test_y.shape == (10,)
+    assert data.image_shape == (1, 28, 28)
+    assert abs(float(data.train_x.mean())) < 2.0
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda p: p.unlink(), "file not found|missing"),
+        (lambda p: p.write_bytes(b"not gzip at all"), "not a readable gzip"),
+        (lambda p: p.write_bytes(p.read_bytes()[:200]), "not a readable gzip"),
+        (lambda p: p.write_bytes(gzip.compress(b"\x00\x00\x08\x01" + b"\x00" * 8)), "magic"),
+        (lambda p: p.write_bytes(gzip.compress(b"\x00\x00\x08\x03\x00\x00\x00\x02")), "header"),
+        (
+            lambda p: p.write_bytes(gzip.compress(gzip.decompress(p.read_bytes())[:-5])),
+            "file holds",
+        ),
+    ],
+)
+def test_reader_rejects_bad_files(
+    tmp_path: Path, damage: Callable[[Path], object], message: str
+) -> None:
+    d = write_tiny(tmp_path, 40, 10)
+    damage(d / FILES["train_images"])
+    with pytest.raises(DatasetError, match=message):
+        load_fashion_mnist(d)
+
+
+def test_reader_rejects_inconsistent_labels(tmp_path: Path) -> None:
+    d = write_tiny(tmp_path, 40, 10)
+    write_idx(d / FILES["test_labels"], np.zeros(9, dtype=np.uint8))
+    with pytest.raises(DatasetError, match="9 labels for 10 images"):
+        load_fashion_mnist(d)
+    write_idx(d / FILES["test_labels"], np.full(10, 12, dtype=np.uint8))
+    with pytest.raises(DatasetError, match="out of range"):
+        load_fashion_mnist(d)
+
+
+def test_warmup_cosine_shape() -> None:
+    lr = warmup_cosine(0.2, 10, 110)
+    assert lr(0) == pytest.approx(0.02)
+    assert lr(9) == pytest.approx(0.2)
+    assert lr(60) == pytest.approx(0.1)
+    assert lr(109) < 0.001
+    assert all(lr(s) >= lr(s + 1) for s in range(10, 109))
+
+
+# --- the whole demo --------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_demo_both_arms(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    code = main(["--data-dir", str(tiny), "--out", str(out), *TINY_ARGS])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "SGD + KAISA" in captured.out and "time to 30.0%" in captured.out
+    results = _check_outputs(out)
+    arms = results["arms"]
+    assert isinstance(arms, dict)
+    for name in ("sgd", "kaisa"):
+        assert arms[name]["seeds"] == 2
+        assert len(arms[name]["per_seed"]) == 2
+    assert (
+        arms["sgd"]["hyperparameters"]["weight_decay"]
+        == (arms["kaisa"]["hyperparameters"]["weight_decay"])
+    )
+    assert arms["kaisa"]["kfac_seconds_per_step"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_demo_two_processes(tiny: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = list(TINY_ARGS)
+    args[args.index("--seeds") + 1] = "0"
+    args[args.index("--threads") + 1] = "2"
+    cmd = [sys.executable, "-m", "kaisa.cli", "demo", "--data-dir", str(tiny), "--out", str(out)]
+    proc = subprocess.run(
+        [*cmd, *args, "--nproc", "2", "--grad-worker-fraction", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=_env(),
+        cwd=tmp_path,
+    )
+    log = out / "torchrun.log"
+    assert proc.returncode == 0, proc.stderr + (log.read_text() if log.exists() else "")
+    assert "2 process(es) x 1 thread(s)" in proc.stdout
+    results = _check_outputs(out)
+    assert results["shared"]["nproc"] == 2  # type: ignore[index]
+    kfac = results["arms"]["kaisa"]["hyperparameters"]["kfac"]  # type: ignore[index]
+    assert kfac["grad_worker_fraction"] == 0.5
+
+
+# --- bad input: one line, exit code 2, no traceback -------------------------------------
+
+
+def _corrupt(d: Path) -> Path:
+    (d / FILES["test_images"]).write_bytes(b"\x1f\x8b garbage")
+    return d
+
+
+@pytest.mark.parametrize(
+    ("make_args", "expected"),
+    [
+        (lambda d, t: ["--data-dir", str(t / "nowhere")], "dataset directory not found"),
+        (lambda d, t: ["--data-dir", str(_corrupt(write_tiny(t / "c", 40, 10)))], "gzip"),
+        (lambda d, t: ["--data-dir", str(d), "--target", "1.5"], "impossible target"),
+        (lambda d, t: ["--data-dir", str(d), "--target", "91"], "did you mean 0.91"),
+        (lambda d, t: ["--data-dir", str(d), "--target", "0"], "impossible target"),
+        (lambda d, t: ["--data-dir", str(d), "--epochs", "two"], "--epochs"),
+        (lambda d, t: ["--data-dir", str(d), "--nproc", "0"], "--nproc"),
+        (lambda d, t: ["--data-dir", str(d), "--model", "vgg"], "--model"),
+        (lambda d, t: ["--data-dir", str(d), "--seeds", "a,b"], "--seeds"),
+        (lambda d, t: ["--data-dir", str(d), "--sgd-lr", "-1"], "--sgd-lr"),
+        (lambda d, t: ["--data-dir", str(d), "--kl-clip", "nan"], "--kl-clip"),
+        (lambda d, t: ["--data-dir", str(d), "--batch-size", "33", "--nproc", "2"], "divisible"),
+        (lambda d, t: ["--data-dir", str(d), "--batch-size", "4096"], "larger than the training"),
+        (
+            lambda d, t: ["--data-dir", str(d), "--nproc", "4", "--grad-worker-fraction", "0.75"],
+            "gradient workers",
+        ),
+        (lambda d, t: ["--data-dir", str(d), "--no-such-option"], "unrecognized"),
+    ],
+)
+def test_bad_input_is_one_clear_line(
+    tiny: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    make_args: Callable[[Path, Path], list[str]],
+    expected: str,
+) -> None:
+    code = main([*make_args(tiny, tmp_path), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("kaisa demo: error: ")
+    assert expected in lines[0]
+
+
+@pytest.mark.timeout(60)
+def test_bad_input_from_the_command_line(tmp_path: Path) -> None:
+    d = _corrupt(write_tiny(tmp_path / "d", 40, 10))
+    for args in (["--data-dir", str(d)], ["--data-dir", str(d), "--target", "2"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "kaisa.cli", "demo", *args, "--out", str(tmp_path / "o")],
+            capture_output=True,
+            text=True,
+            timeout=50,
+            env=_env(),
+        )
+        assert proc.returncode == 2
+        assert "Traceback" not in proc.stderr
+        assert proc.stderr.startswith("kaisa demo: error: ")
+        assert len(proc.stderr.strip().splitlines()) == 1
