@@ -58,13 +58,21 @@ QUICK: dict[str, Any] = {
     "epochs": 2,
     "seeds": (0,),
     "target": 0.90,
-    "eval_every": 50,
 }
 """What ``--quick`` changes (``make demo-quick``); explicit options still win."""
 
 
 class DemoError(Exception):
     """Bad input: reported as one line and exit code 2."""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the empty ones (the help text gives those)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -181,7 +189,7 @@ def _parser() -> _Parser:
             "size, epoch budget, learning-rate schedule shape (linear warm-up, then cosine) "
             "and weight decay; the clock excludes evaluation."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("data and model")
     g.add_argument(

@@ -172,7 +172,7 @@ def build_demo_model(name: str, image_shape: tuple[int, int, int]) -> nn.Module:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, x: Tensor, y: Tensor, dist: DistContext, batch_size: int = 1000
+    model: nn.Module, x: Tensor, y: Tensor, dist: DistContext, batch_size: int = 256
 ) -> tuple[float, float]:
     """Test accuracy and mean cross-entropy over ``(x, y)``, split across ranks."""
     was_training = model.training
