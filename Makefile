@@ -13,8 +13,6 @@ NPROC ?= 1
 
 .DEFAULT_GOAL := test
 
-# `make demo`, `make demo-quick` and `make data` live in demo.mk.
-include demo.mk
 
 $(STAMP): pyproject.toml constraints.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -38,3 +36,44 @@ test: $(STAMP) lint typecheck
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache
+
+# The README's main job (issue 5): `make demo` and `make demo-quick`.
+#
+#   make demo                        # full comparison, 3 seeds, about 10 minutes on 2 cores
+#   make demo-quick                  # one seed, one to two minutes
+#   make demo OUT=runs/mine NPROC=2  # output directory; 2 processes (torchrun + gloo)
+#   make demo DEMO_ARGS='--epochs 4' # any other `kaisa demo` option
+
+DEMO_ARGS ?=
+FASHION_MNIST_PKG := dataset-fashion-mnist
+FASHION_MNIST_FILES := train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz \
+	t10k-images-idx3-ubyte.gz t10k-labels-idx1-ubyte.gz
+DEMO := $(VENV)/bin/kaisa demo --data-dir $(DATA_DIR) --nproc $(NPROC) --out $(OUT) $(DEMO_ARGS)
+
+.PHONY: data demo demo-quick
+
+# Fashion-MNIST from Debian's package, installed only when the files are missing.
+data:
+	@missing=""; for f in $(FASHION_MNIST_FILES); do \
+		[ -f "$(DATA_DIR)/$$f" ] || missing="$$missing $$f"; \
+	done; \
+	if [ -z "$$missing" ]; then \
+		echo "Fashion-MNIST: $(DATA_DIR)"; \
+	elif [ "$(DATA_DIR)" != "/usr/share/datasets/fashion-mnist" ]; then \
+		echo "Fashion-MNIST files missing from DATA_DIR=$(DATA_DIR):$$missing" >&2; \
+		exit 1; \
+	elif [ "$$(id -u)" = "0" ]; then \
+		echo "Fashion-MNIST missing: installing the Debian package $(FASHION_MNIST_PKG)"; \
+		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y $(FASHION_MNIST_PKG); \
+	else \
+		echo "Fashion-MNIST is missing from $(DATA_DIR). Install it as root with:" >&2; \
+		echo "    apt-get update && apt-get install -y $(FASHION_MNIST_PKG)" >&2; \
+		echo "(or: sudo apt-get update && sudo apt-get install -y $(FASHION_MNIST_PKG)), then run make again." >&2; \
+		exit 1; \
+	fi
+
+demo: $(STAMP) data
+	$(DEMO)
+
+demo-quick: $(STAMP) data
+	$(DEMO) --quick
