@@ -11,6 +11,7 @@ every number instead.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import contextlib
 import dataclasses
@@ -342,3 +343,15 @@ def _jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _jsonable(dataclasses.asdict(value))
     return value
+
+
+def add_json_option(parser: argparse.ArgumentParser, default_path: Path | str) -> None:
+    """``--json [PATH]``: also write the results as JSON (to ``default_path`` without PATH)."""
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const=str(default_path),
+        default=None,
+        metavar="PATH",
+        help=f"also write JSON (default path: {default_path})",
+    )

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from common import format_table, write_json
+from common import add_json_option, format_table, write_json
 
 from kaisa.distributed.cost import ComputeMethod, summarize
 from kaisa.distributed.layer_shapes import (
@@ -155,14 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--inv-update-steps", type=int, default=100)
     p.add_argument("--compute-method", choices=("eigen", "inverse"), default="eigen")
     p.add_argument("--symmetry-aware", action="store_true")
-    p.add_argument(
-        "--json",
-        nargs="?",
-        const=str(DEFAULT_JSON),
-        default=None,
-        metavar="PATH",
-        help=f"also write JSON (default path: {DEFAULT_JSON})",
-    )
+    add_json_option(p, DEFAULT_JSON)
     args = p.parse_args(argv)
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in names if m not in MODELS]

@@ -64,7 +64,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import LoadRecord, format_table, load_average, machine_info, write_json
+from common import (
+    LoadRecord,
+    add_json_option,
+    format_table,
+    load_average,
+    machine_info,
+    write_json,
+)
 from torch import nn
 
 import kaisa
@@ -534,14 +541,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--timeout", type=float, default=240.0, help="seconds per (model, world size) group"
     )
-    p.add_argument(
-        "--json",
-        nargs="?",
-        const=str(DEFAULT_JSON),
-        default=None,
-        metavar="PATH",
-        help=f"also write JSON (default path: {DEFAULT_JSON})",
-    )
+    add_json_option(p, DEFAULT_JSON)
     args = p.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     fractions = [f.strip() for f in args.fractions.split(",") if f.strip()]
