@@ -71,6 +71,8 @@ class KFACOptions:
     update_factors_in_hook: bool = True
     conv_factor_estimator: Literal["expand", "reduce"] = "expand"
     factor_product_dtype: torch.dtype | None = None
+    damping_mode: Literal["absolute", "relative"] = "absolute"
+    factor_init: Literal["identity", "first_batch"] = "identity"
     # Derived, validated views.
     hyper: dict[str, Hyperparameter] = field(init=False, repr=False, compare=False)
 
@@ -116,6 +118,16 @@ class KFACOptions:
             self,
             "conv_factor_estimator",
             _choice("conv_factor_estimator", self.conv_factor_estimator, ("expand", "reduce")),
+        )
+        set_(
+            self,
+            "damping_mode",
+            _choice("damping_mode", self.damping_mode, ("absolute", "relative")),
+        )
+        set_(
+            self,
+            "factor_init",
+            _choice("factor_init", self.factor_init, ("identity", "first_batch")),
         )
         for name in (
             "colocate_factors",

@@ -127,6 +127,15 @@ class KFACPreconditioner:
             products (default ``factor_dtype``). ``torch.bfloat16`` runs the
             products about 3× faster on CPUs with bf16 matrix support; the
             results are accumulated and averaged in ``factor_dtype``.
+        damping_mode: 'absolute' (spec §4: ``γ`` is added to ``λ_G λ_Aᵀ``, or to
+            each factor for 'inverse') or 'relative' (each factor is first
+            divided by its mean eigenvalue ``trace/size``, so ``γ`` means the
+            same in layers whose curvature differs by orders of magnitude).
+        factor_init: 'identity' (spec §3: factors start as ``I`` and every
+            update uses ``factor_decay``) or 'first_batch' (the ``k``-th update
+            of a layer uses ``min(factor_decay, k/(k+1))``: the first replaces
+            the identity, then an equal-weight mean until the exponential
+            average takes over).
 
     Every numeric hyperparameter may also be a callable ``f(step) -> value``.
     """
@@ -156,6 +165,8 @@ class KFACPreconditioner:
         update_factors_in_hook: bool = True,
         conv_factor_estimator: str = "expand",
         factor_product_dtype: torch.dtype | None = None,
+        damping_mode: str = "absolute",
+        factor_init: str = "identity",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
@@ -184,6 +195,8 @@ class KFACPreconditioner:
             update_factors_in_hook=update_factors_in_hook,
             conv_factor_estimator=conv_factor_estimator,  # type: ignore[arg-type]
             factor_product_dtype=factor_product_dtype,
+            damping_mode=damping_mode,  # type: ignore[arg-type]
+            factor_init=factor_init,  # type: ignore[arg-type]
         )
         found = find_layers(
             model, self.options.skip_layers, conv_estimator=self.options.conv_factor_estimator
@@ -233,6 +246,8 @@ class KFACPreconditioner:
                 inv_dtype=self.inv_dtype,
                 method=self.options.compute_method,
                 eigen_outer_product=self.options.compute_eigenvalue_outer_product,
+                damping_mode=self.options.damping_mode,
+                factor_init=self.options.factor_init,
             )
             if self.plan.is_grad_worker(name, self.rank):
                 block.allocate_second_order()

@@ -46,6 +46,16 @@ BAD: list[tuple[dict[str, Any], type[Exception], str]] = [
         ValueError,
         r"compute_method must be one of 'eigen', 'inverse'; got 'svd'",
     ),
+    (
+        {"damping_mode": "adaptive"},
+        ValueError,
+        r"damping_mode must be one of 'absolute', 'relative'; got 'adaptive'",
+    ),
+    (
+        {"factor_init": "zeros"},
+        ValueError,
+        r"factor_init must be one of 'identity', 'first_batch'; got 'zeros'",
+    ),
     ({"colocate_factors": 1}, TypeError, r"colocate_factors must be True or False; got 1"),
     ({"symmetry_aware": None}, TypeError, r"symmetry_aware must be True or False"),
     (

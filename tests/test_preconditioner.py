@@ -38,8 +38,16 @@ def dense_reference_step(
     damping: float,
     lr: float,
     kappa: float,
+    relative: bool = False,
+    first_batch: bool = False,
 ) -> list[torch.Tensor]:
-    """One K-FAC step from the definitions, with no code from kaisa."""
+    """One K-FAC step from the definitions, with no code from kaisa.
+
+    ``first_batch``: the factors are the batch factors (no identity);
+    ``relative``: each factor is divided by trace/size before the damped solve.
+    """
+    if first_batch:
+        decay = 0.0
     layers = [model[0], model[2]]
     inputs: list[torch.Tensor] = []
     deltas: list[torch.Tensor] = []
@@ -61,6 +69,9 @@ def dense_reference_step(
         a = decay * torch.eye(rows.shape[1], dtype=D) + (1 - decay) * rows.T @ rows / rows.shape[0]
         g_size = delta.shape[1]
         g = decay * torch.eye(g_size, dtype=D) + (1 - decay) * delta.T @ delta / delta.shape[0]
+        if relative:
+            a = a / (torch.trace(a) / a.shape[0])
+            g = g / (torch.trace(g) / g.shape[0])
         grad = layer.weight.grad
         if layer.bias is not None:
             grad = torch.cat([grad, layer.bias.grad[:, None]], 1)
@@ -96,6 +107,37 @@ def test_step_matches_dense_kfac(outer: bool, in_hook: bool) -> None:
     ]
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("outer", [True, False])
+def test_relative_damping_and_first_batch_init_match_dense_kfac(outer: bool) -> None:
+    model = mlp()
+    ref_model = copy.deepcopy(model)
+    x, y = torch.randn(13, 5, dtype=D), torch.randint(0, 3, (13,))
+    damping, lr, kappa = 0.05, 0.5, 1e-4
+    expected = dense_reference_step(
+        ref_model, x, y, 0.95, damping, lr, kappa, relative=True, first_batch=True
+    )
+    pre = kaisa.KFACPreconditioner(
+        model,
+        factor_decay=0.95,
+        damping=damping,
+        lr=lr,
+        kl_clip=kappa,
+        inv_dtype=D,
+        compute_eigenvalue_outer_product=outer,
+        damping_mode="relative",
+        factor_init="first_batch",
+    )
+    loss_fn(model, x, y).backward()
+    pre.step()
+    got = [
+        torch.cat([model[0].weight.grad, model[0].bias.grad[:, None]], 1),
+        model[2].weight.grad,
+    ]
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
+    assert [layer.block.updates for layer in pre.layers] == [1, 1]
 
 
 def test_inverse_method_step_and_kl_clip_off() -> None:

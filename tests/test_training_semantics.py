@@ -108,11 +108,15 @@ def train(
         opt.step()
 
 
-@pytest.mark.parametrize("method", ["eigen", "inverse"])
-def test_resume_is_bit_identical(method: str) -> None:
+@pytest.mark.parametrize(
+    ("method", "relative"), [("eigen", False), ("inverse", False), ("eigen", True)]
+)
+def test_resume_is_bit_identical(method: str, relative: bool) -> None:
     options: dict[str, Any] = dict(
         factor_update_steps=2, inv_update_steps=3, compute_method=method, kl_clip=1e-3
     )
+    if relative:
+        options.update(damping_mode="relative", factor_init="first_batch")
     torch.manual_seed(1)
     model = Net()
     resumed_model = copy.deepcopy(model)

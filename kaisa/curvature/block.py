@@ -19,13 +19,30 @@ from kaisa.curvature.linalg import (
     damped_inverse,
     eigen_outer_inverse,
     fold_running_average,
+    mean_scale,
     precondition_eigen,
     precondition_inverse,
     symmetric_eigen,
 )
 
 ComputeMethod = Literal["eigen", "inverse"]
+DampingMode = Literal["absolute", "relative"]
+FactorInit = Literal["identity", "first_batch"]
 Factor = Literal["a", "g"]
+
+
+def effective_decay(decay: float, updates: int, init: FactorInit) -> float:
+    """The decay used for a layer's factor update after ``updates`` earlier ones.
+
+    ``'identity'`` (spec §3): always ``decay``. ``'first_batch'``:
+    ``min(decay, k / (k + 1))`` at the ``k``-th update (``k = 0, 1, …``): the
+    first update replaces the identity, the next ones keep the equal-weight mean
+    of all batch factors so far, and from ``k / (k + 1) ≥ decay`` on it is the
+    usual exponential average.
+    """
+    if init == "identity":
+        return decay
+    return min(decay, updates / (updates + 1))
 
 
 class KroneckerBlock:
@@ -35,6 +52,13 @@ class KroneckerBlock:
     ranks that need it (:meth:`allocate_second_order`), starting as the exact
     decomposition of the identity, so a failed first decomposition leaves a
     well-defined state.
+
+    ``factor_init='first_batch'`` makes the first factor update replace the
+    identity (see :func:`effective_decay`). ``damping_mode='relative'`` divides
+    each factor by its mean eigenvalue (``trace / size``) before damping:
+    the eigen method solves ``(G ⊗ A / (m_G m_A) + γI)⁻¹ vec(∇)`` and the
+    inverse method forms ``(F / m_F + γI)⁻¹``, so ``γ`` is relative to each
+    layer's own curvature scale instead of absolute (spec §4 uses absolute).
     """
 
     def __init__(
@@ -48,8 +72,14 @@ class KroneckerBlock:
         inv_dtype: torch.dtype,
         method: ComputeMethod,
         eigen_outer_product: bool,
+        damping_mode: DampingMode = "absolute",
+        factor_init: FactorInit = "identity",
     ) -> None:
         self.name = name
+        self.damping_mode: DampingMode = damping_mode
+        self.factor_init: FactorInit = factor_init
+        #: Factor updates folded in so far (drives ``factor_init='first_batch'``).
+        self.updates = 0
         self.a_size = a_size
         self.g_size = g_size
         self.method: ComputeMethod = method
@@ -64,9 +94,11 @@ class KroneckerBlock:
 
     # -- factors ---------------------------------------------------------------
     def fold(self, a_batch: torch.Tensor, g_batch: torch.Tensor, decay: float) -> None:
-        """Fold batch factors into the running averages."""
+        """Fold batch factors into the running averages (see :func:`effective_decay`)."""
+        decay = effective_decay(decay, self.updates, self.factor_init)
         fold_running_average(self.a, a_batch, decay)
         fold_running_average(self.g, g_batch, decay)
+        self.updates += 1
 
     def factor(self, which: Factor) -> torch.Tensor:
         return self.a if which == "a" else self.g
@@ -108,6 +140,11 @@ class KroneckerBlock:
                 buffers[0].copy_(q)
                 buffers[1].copy_(values)
             else:
+                if self.damping_mode == "relative":
+                    diagonal = factor.diagonal().to(
+                        torch.promote_types(factor.dtype, torch.float32)
+                    )
+                    factor = factor / mean_scale(diagonal).to(factor.dtype)
                 buffers[0].copy_(damped_inverse(factor, damping, self.inv_dtype))
         except DecompositionError as error:
             warnings.warn(
@@ -126,10 +163,15 @@ class KroneckerBlock:
         decomposition still leaves a consistent pair of eigenbasis and values.
         """
         if self.eigen_outer_product:
-            self.outer_inverse = eigen_outer_inverse(
-                self.second_order["g"][1], self.second_order["a"][1], damping
-            )
+            self.outer_inverse = eigen_outer_inverse(*self._eigenvalues(), damping)
             self.outer_damping = damping
+
+    def _eigenvalues(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(λ_G, λ_A)`` as the damping sees them: raw, or divided by their means."""
+        dg, da = self.second_order["g"][1], self.second_order["a"][1]
+        if self.damping_mode == "relative":
+            return dg / mean_scale(dg), da / mean_scale(da)
+        return dg, da
 
     def precondition(self, grad: torch.Tensor, damping: float) -> torch.Tensor:
         """The preconditioned gradient ``P`` for a ``(g_size, a_size)`` gradient."""
@@ -137,7 +179,7 @@ class KroneckerBlock:
             qa, qg = self.second_order["a"][0], self.second_order["g"][0]
             if self.outer_inverse is not None:
                 return precondition_eigen(grad, qa, qg, outer_inverse=self.outer_inverse)
-            da, dg = self.second_order["a"][1], self.second_order["g"][1]
+            dg, da = self._eigenvalues()
             return precondition_eigen(grad, qa, qg, da=da, dg=dg, damping=damping)
         return precondition_inverse(grad, self.second_order["a"][0], self.second_order["g"][0])
 
@@ -153,7 +195,11 @@ class KroneckerBlock:
         return total
 
     def state_dict(self) -> dict[str, object]:
-        state: dict[str, object] = {"a": self.a.clone(), "g": self.g.clone()}
+        state: dict[str, object] = {
+            "a": self.a.clone(),
+            "g": self.g.clone(),
+            "updates": self.updates,
+        }
         if self.second_order:
             state["second_order"] = {
                 k: [t.clone() for t in v] for k, v in self.second_order.items()
@@ -174,6 +220,13 @@ class KroneckerBlock:
             )
         self.a.copy_(a)
         self.g.copy_(g)
+        updates = state.get("updates", 0)
+        if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
+            raise ValueError(
+                f"layer {self.name!r}: state dict 'updates' must be an integer >= 0; "
+                f"got {updates!r}"
+            )
+        self.updates = updates
         second = state.get("second_order")
         if isinstance(second, dict):
             self.second_order = {

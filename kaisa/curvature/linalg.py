@@ -74,6 +74,16 @@ def damped_inverse(factor: torch.Tensor, damping: float, out_dtype: torch.dtype)
     raise DecompositionError(f"inverse failed: {last_error}") from last_error
 
 
+def mean_scale(values: torch.Tensor) -> torch.Tensor:
+    """The mean of ``values`` as a 0-d tensor, never below the dtype's smallest normal.
+
+    Used for relative damping: a factor divided by its mean eigenvalue
+    (``trace / size``) has unit mean scale, so one damping value means the same
+    in every layer. A factor that is all zero keeps a positive divisor.
+    """
+    return values.mean().clamp(min=torch.finfo(values.dtype).tiny)
+
+
 def eigen_outer_inverse(
     g_values: torch.Tensor, a_values: torch.Tensor, damping: float
 ) -> torch.Tensor:

@@ -17,6 +17,7 @@ from kaisa.curvature import (
     precondition_inverse,
     symmetric_eigen,
 )
+from kaisa.curvature.block import effective_decay
 
 D = torch.float64
 
@@ -102,7 +103,12 @@ def test_kl_clip_matches_the_formula() -> None:
     assert kl_clip_scale(nan, lr, kappa) == 1.0
 
 
-def make_block(method: str = "eigen", outer: bool = True) -> KroneckerBlock:
+def make_block(
+    method: str = "eigen",
+    outer: bool = True,
+    damping_mode: str = "absolute",
+    factor_init: str = "identity",
+) -> KroneckerBlock:
     return KroneckerBlock(
         "layer",
         5,
@@ -112,6 +118,8 @@ def make_block(method: str = "eigen", outer: bool = True) -> KroneckerBlock:
         inv_dtype=D,
         method=method,  # type: ignore[arg-type]
         eigen_outer_product=outer,
+        damping_mode=damping_mode,  # type: ignore[arg-type]
+        factor_init=factor_init,  # type: ignore[arg-type]
     )
 
 
@@ -132,6 +140,84 @@ def test_block_preconditions_like_the_dense_solve(method: str, outer: bool) -> N
     else:
         expected = damped_inverse(g, damping, D) @ grad @ damped_inverse(a, damping, D)
     torch.testing.assert_close(block.precondition(grad, damping), expected, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("method", "outer"), [("eigen", True), ("eigen", False), ("inverse", False)]
+)
+@pytest.mark.parametrize("scale", [1e-12, 1.0, 1e6])
+def test_relative_damping_is_the_solve_with_unit_mean_factors(
+    method: str, outer: bool, scale: float
+) -> None:
+    """'relative': each factor divided by trace/size before the damped solve."""
+    block = make_block(method, outer, damping_mode="relative")
+    # Factors of very different scales: the result must not depend on them.
+    a, g = spd(5) * scale, spd(3) * scale**0.5
+    block.fold(a, g, 0.0)
+    damping = 0.03
+    for which in ("a", "g"):
+        assert block.decompose(which, damping)  # type: ignore[arg-type]
+    block.finish_update(damping)
+    grad = torch.randn(3, 5, dtype=D)
+    a_unit = a / (torch.trace(a) / 5)
+    g_unit = g / (torch.trace(g) / 3)
+    if method == "eigen":
+        expected = kron_solve(grad, a_unit, g_unit, damping)
+    else:
+        expected = (
+            torch.linalg.inv(g_unit + damping * torch.eye(3, dtype=D))
+            @ grad
+            @ torch.linalg.inv(a_unit + damping * torch.eye(5, dtype=D))
+        )
+    torch.testing.assert_close(block.precondition(grad, damping), expected, rtol=1e-8, atol=1e-10)
+
+
+def test_relative_damping_of_a_zero_factor_is_finite() -> None:
+    """A layer whose factors are all zero (never saw a gradient) gets ``∇ / γ``."""
+    block = make_block(damping_mode="relative")
+    block.fold(torch.zeros(5, 5, dtype=D), torch.zeros(3, 3, dtype=D), 0.0)
+    assert block.decompose("a", 0.5) and block.decompose("g", 0.5)
+    block.finish_update(0.5)
+    grad = torch.randn(3, 5, dtype=D)
+    torch.testing.assert_close(block.precondition(grad, 0.5), grad / 0.5)
+
+
+def test_first_batch_init_is_a_running_mean_then_the_decay() -> None:
+    """'first_batch': update k uses min(ξ, k/(k+1)); the identity never enters."""
+    decay = 0.8  # k/(k+1) reaches 0.8 at k = 4
+    block = make_block(factor_init="first_batch")
+    batches = [(spd(5), spd(3)) for _ in range(7)]
+    expected_a = torch.zeros(5, 5, dtype=D)
+    for k, (a, g) in enumerate(batches):
+        block.fold(a, g, decay)
+        if k <= 4:
+            expected_a = sum(b[0] for b in batches[: k + 1]) / (k + 1)  # type: ignore[assignment]
+            expected_g = sum(b[1] for b in batches[: k + 1]) / (k + 1)
+            torch.testing.assert_close(block.g, expected_g)
+        else:
+            expected_a = decay * expected_a + (1 - decay) * a
+        torch.testing.assert_close(block.a, expected_a)
+    assert block.updates == 7
+    assert [effective_decay(0.8, k, "first_batch") for k in range(6)] == pytest.approx(
+        [0.0, 0.5, 2 / 3, 0.75, 0.8, 0.8]
+    )
+    assert effective_decay(0.8, 0, "identity") == 0.8
+
+
+def test_update_count_is_checkpointed() -> None:
+    block = make_block(factor_init="first_batch")
+    block.fold(spd(5), spd(3), 0.9)
+    block.fold(spd(5), spd(3), 0.9)
+    state = block.state_dict()
+    restored = make_block(factor_init="first_batch")
+    restored.load_state_dict(state)
+    assert restored.updates == 2
+    a, g = spd(5), spd(3)
+    block.fold(a, g, 0.9)
+    restored.fold(a, g, 0.9)
+    torch.testing.assert_close(restored.a, block.a, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="'updates' must be an integer >= 0; got -1"):
+        restored.load_state_dict({**state, "updates": -1})
 
 
 def test_running_average_folds_with_decay() -> None:
