@@ -479,6 +479,7 @@ class KFACPreconditioner:
             with self.telemetry.timer("kl_clip"):
                 lr = self.options.hyper["lr"].at(self._steps)
                 scale = kl_clip_scale([(p, g) for _, p, g in pairs], lr, kl_clip)
+        self.telemetry.record_kl_scale(scale)
         with self.telemetry.timer("precondition"):
             for layer, preconditioned, _ in pairs:
                 if scale != 1.0:

@@ -44,6 +44,8 @@ class Telemetry:
         steps: ``step()`` calls counted.
         skipped_factor_updates: factor updates dropped because of NaN/Inf.
         failed_decompositions: decompositions that failed (state kept).
+        kl_clipped_steps: steps at which KL clipping shrank the update (``ν < 1``).
+        last_kl_scale: ``ν`` of the most recent step (1.0 without clipping).
     """
 
     def __init__(self, synchronize: bool = False) -> None:
@@ -60,6 +62,14 @@ class Telemetry:
         self.steps = 0
         self.skipped_factor_updates = 0
         self.failed_decompositions = 0
+        self.kl_clipped_steps = 0
+        self.last_kl_scale = 1.0
+
+    def record_kl_scale(self, scale: float) -> None:
+        """Record the KL-clipping factor ``ν`` applied at this step."""
+        self.last_kl_scale = scale
+        if scale < 1.0:
+            self.kl_clipped_steps += 1
 
     @contextmanager
     def timer(self, phase: str, device: torch.device | None = None) -> Iterator[None]:
@@ -101,4 +111,6 @@ class Telemetry:
             "last_step_elements": dict(self.last_step_elements),
             "skipped_factor_updates": self.skipped_factor_updates,
             "failed_decompositions": self.failed_decompositions,
+            "kl_clipped_steps": self.kl_clipped_steps,
+            "last_kl_scale": self.last_kl_scale,
         }

@@ -184,3 +184,23 @@ def _no_layers_model() -> nn.Module:
 def test_model_without_layers_is_refused(_no_layers_model: nn.Module) -> None:
     with pytest.raises(ValueError, match="no layer K-FAC can precondition"):
         kaisa.KFACPreconditioner(_no_layers_model)
+
+
+@pytest.mark.parametrize(("kappa", "clipped"), [(1e-12, True), (1e12, False), (None, False)])
+def test_telemetry_records_kl_clipping(kappa: float | None, clipped: bool) -> None:
+    model = mlp()
+    x, y = torch.randn(9, 5, dtype=D), torch.randint(0, 3, (9,))
+    pre = kaisa.KFACPreconditioner(model, kl_clip=kappa, lr=0.5, inv_dtype=D)
+    for _ in range(2):
+        model.zero_grad()
+        loss_fn(model, x, y).backward()
+        raw = model[2].weight.grad.clone()
+        pre.step()
+    assert pre.telemetry.kl_clipped_steps == (2 if clipped else 0)
+    scale = pre.telemetry.last_kl_scale
+    if clipped:
+        assert 0.0 < scale < 1e-3
+    else:
+        assert scale == 1.0
+    assert pre.telemetry.summary()["kl_clipped_steps"] == pre.telemetry.kl_clipped_steps
+    assert not torch.equal(model[2].weight.grad, raw)
