@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import math
 import statistics
@@ -44,6 +45,14 @@ def _floats(text: str) -> list[float]:
 
 def _kl(text: str) -> list[float | None]:
     return [None if v.strip().lower() == "none" else float(v) for v in text.split(",") if v.strip()]
+
+
+def _intervals(text: str) -> list[tuple[int, int]]:
+    pairs = []
+    for item in text.split(","):
+        factor, _, inverse = item.partition("/")
+        pairs.append((int(factor), int(inverse)))
+    return pairs
 
 
 def _key(rec: dict[str, Any]) -> str:
@@ -83,6 +92,10 @@ def _label(rec: dict[str, Any]) -> str:
             text += f" decay={k['factor_decay']:g}"
         if k.get("conv_factor_estimator", "expand") != "expand":
             text += f" conv={k['conv_factor_estimator']}"
+        if k.get("damping_mode", "absolute") != "absolute":
+            text += f" {k['damping_mode']}"
+        if k.get("factor_init", "identity") != "identity":
+            text += f" init={k['factor_init']}"
     return text
 
 
@@ -172,8 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lrs", type=_floats, default=[0.025, 0.05, 0.1, 0.2, 0.4])
     p.add_argument("--dampings", type=_floats, default=[0.003])
     p.add_argument("--kl-clips", type=_kl, default=[0.001])
-    p.add_argument("--factor-update-steps", type=int, default=10)
-    p.add_argument("--inv-update-steps", type=int, default=100)
+    p.add_argument(
+        "--intervals",
+        type=_intervals,
+        default=[(10, 100)],
+        help="factor/inverse update intervals to sweep, e.g. 10/100,5/50",
+    )
+    p.add_argument("--damping-mode", choices=("absolute", "relative"), default="absolute")
+    p.add_argument("--factor-init", choices=("identity", "first_batch"), default="identity")
     p.add_argument("--factor-decay", type=float, default=0.95)
     p.add_argument("--conv-factor-estimator", choices=("expand", "reduce"), default="expand")
     p.add_argument("--model", default="gap_cnn")
@@ -202,17 +221,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.arm == "sgd":
             arms.append(ArmConfig("sgd", lr, weight_decay=args.weight_decay))
             continue
-        for damping in args.dampings:
-            for kl in args.kl_clips:
-                kfac = KfacConfig(
-                    factor_update_steps=args.factor_update_steps,
-                    inv_update_steps=args.inv_update_steps,
-                    damping=damping,
-                    kl_clip=kl,
-                    factor_decay=args.factor_decay,
-                    conv_factor_estimator=args.conv_factor_estimator,
-                )
-                arms.append(ArmConfig("kaisa", lr, weight_decay=args.weight_decay, kfac=kfac))
+        for damping, kl, (factor_steps, inv_steps) in itertools.product(
+            args.dampings, args.kl_clips, args.intervals
+        ):
+            kfac = KfacConfig(
+                factor_update_steps=factor_steps,
+                inv_update_steps=inv_steps,
+                damping=damping,
+                kl_clip=kl,
+                factor_decay=args.factor_decay,
+                conv_factor_estimator=args.conv_factor_estimator,
+                damping_mode=args.damping_mode,
+                factor_init=args.factor_init,
+            )
+            arms.append(ArmConfig("kaisa", lr, weight_decay=args.weight_decay, kfac=kfac))
     for arm in arms:
         config = DemoConfig(
             data_dir=args.data_dir,

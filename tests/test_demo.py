@@ -95,7 +95,11 @@ def _check_outputs(out: Path, arms: tuple[str, ...] = ("sgd", "kaisa")) -> dict[
         assert arm["seconds_per_step"] > 0
         assert arm["hyperparameters"]["lr"] > 0
     if "kaisa" in arms:
-        assert "kfac" in results["arms"]["kaisa"]["hyperparameters"]
+        kaisa_arm = results["arms"]["kaisa"]
+        kfac = kaisa_arm["hyperparameters"]["kfac"]
+        assert kfac["damping_mode"] == "relative" and kfac["factor_init"] == "first_batch"
+        for run in kaisa_arm["per_seed"]:
+            assert 0.0 <= run["kl_clipped_fraction"] <= 1.0
     with (out / "evaluations.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert rows

@@ -45,6 +45,8 @@ DEFAULTS: dict[str, Any] = {
     "nproc": 1,
     "grad_worker_fraction": 1.0,
     "conv_factor_estimator": "reduce",
+    "damping_mode": "relative",
+    "factor_init": "first_batch",
     "eval_every": 100,
 }
 """The full run's settings (``make demo``).
@@ -231,6 +233,18 @@ def _parser() -> _Parser:
         help="conv factors from every patch ('expand') or per-sample patch means ('reduce')",
     )
     g.add_argument(
+        "--damping-mode",
+        choices=("absolute", "relative"),
+        default=d["damping_mode"],
+        help="damping added as is (spec) or relative to each factor's mean eigenvalue",
+    )
+    g.add_argument(
+        "--factor-init",
+        choices=("identity", "first_batch"),
+        default=d["factor_init"],
+        help="factors start as the identity (spec) or as the first batch's factors",
+    )
+    g.add_argument(
         "--grad-worker-fraction",
         type=_gwf,
         default=d["grad_worker_fraction"],
@@ -325,6 +339,8 @@ def build_config(args: argparse.Namespace) -> DemoConfig:
         factor_decay=args.factor_decay,
         grad_worker_fraction=args.grad_worker_fraction,
         conv_factor_estimator=args.conv_factor_estimator,
+        damping_mode=args.damping_mode,
+        factor_init=args.factor_init,
     )
     all_arms = {
         "sgd": ArmConfig("sgd", args.sgd_lr, args.momentum, args.weight_decay),
@@ -368,7 +384,8 @@ def _describe(config: DemoConfig, data_shape: tuple[int, int, int], n_train: int
             f", K-FAC factor/inverse every {a.kfac.factor_update_steps}/"
             f"{a.kfac.inv_update_steps} steps, damping {a.kfac.damping:g}, "
             f"KL clip {a.kfac.kl_clip if a.kfac.kl_clip is not None else 'off'}, "
-            f"conv factors '{a.kfac.conv_factor_estimator}'"
+            f"conv factors '{a.kfac.conv_factor_estimator}', "
+            f"damping {a.kfac.damping_mode}, factors from {a.kfac.factor_init}"
             if a.kfac
             else ""
         )

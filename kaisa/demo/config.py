@@ -24,6 +24,8 @@ class KfacConfig:
     factor_decay: float = 0.95
     grad_worker_fraction: float = 1.0
     conv_factor_estimator: str = "reduce"
+    damping_mode: str = "absolute"
+    factor_init: str = "identity"
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,8 @@ class RunResult:
     peak_memory_mb: float | None = None
     peak_memory_increase_mb: float | None = None
     diverged: bool = False
+    #: Steps at which KL clipping shrank the update (K-FAC arms only).
+    kl_clipped_steps: int = 0
 
     @property
     def seconds_per_step(self) -> float:
@@ -146,6 +148,7 @@ class RunResult:
             "peak_memory_mb": self.peak_memory_mb,
             "peak_memory_increase_mb": self.peak_memory_increase_mb,
             "diverged": self.diverged,
+            "kl_clipped_fraction": self.kl_clipped_steps / max(1, self.steps),
         }
 
 
@@ -266,6 +269,8 @@ def _make_preconditioner(model: nn.Module, arm: ArmConfig, optimizer: torch.opti
         lr=current_lr,
         grad_worker_fraction=k.grad_worker_fraction,
         conv_factor_estimator=k.conv_factor_estimator,
+        damping_mode=k.damping_mode,
+        factor_init=k.factor_init,
     )
 
 
@@ -400,6 +405,8 @@ def train_arm(
     result.train_seconds = clock
     phases = _kfac_phase_seconds(pre) if pre is not None else {}
     result.kfac_phase_seconds = phases
+    if pre is not None:
+        result.kl_clipped_steps = pre.telemetry.kl_clipped_steps
     # K-FAC's cost: the time inside preconditioner.step() plus what its hooks
     # spend during the forward and backward passes (captures, factor products,
     # all-reduce launches): the telemetry's phase time accrued between steps.
