@@ -7,7 +7,17 @@ With ``P`` the ``(N·T, C_in·kh·kw)`` patch matrix (``T = H_out·W_out``),
 The patch matrix is the largest temporary of K-FAC on a CNN (for a 16-channel
 3×3 layer at 32×32 and batch 128 it is 75 MB in float32), so it is built a
 slice of the batch at a time, bounded by ``max_patch_bytes``, and never
-concatenated with the column of ones.
+concatenated with the column of ones. Each slice is stored transposed,
+``(C_in·kh·kw, rows)``: its copy then reads and writes runs of output
+positions (contiguous in the input) instead of gathering ``kw`` elements at a
+time, and the product ``PᵀP`` runs on the transposed view without a copy.
+Slices are small enough (4 MB) to stay in cache between the copy and the
+product, and never so small that the product is dominated by re-reading the
+``(C_in·kh·kw)²`` accumulator.
+
+``δᵀδ`` of an output gradient with more positions than channels is summed over
+samples with one batched product over the ``(C_out, T)`` sample blocks, which
+avoids copying ``δ`` into row-major order.
 
 ``estimator='reduce'`` is the cheaper estimator (KFAC-reduce, Eschenhagen et
 al., 2023): the rows of one sample are averaged over the ``T`` output
@@ -31,8 +41,9 @@ from kaisa.layers.base import LayerHandler, gram, gram_with_ones
 
 ConvEstimator = Literal["expand", "reduce"]
 
-#: Upper bound on the bytes of one slice of the patch matrix.
-DEFAULT_MAX_PATCH_BYTES = 32 * 2**20
+#: Upper bound on the bytes of one slice of the patch matrix (unless a single
+#: sample, or the accumulator ``(C_in·kh·kw)²``, is larger).
+DEFAULT_MAX_PATCH_BYTES = 4 * 2**20
 
 
 def _pair(value: int | tuple[int, ...]) -> tuple[int, int]:
@@ -82,9 +93,20 @@ class Conv2dHandler(LayerHandler):
     def patches(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The patch matrix ``P`` of ``x`` (``(n·T, C_in·kh·kw)``) and ``T``.
 
-        The rows are read from a strided view of the padded input and copied
-        once; ``F.unfold`` followed by the transpose to row-major order costs
-        several times more on CPU.
+        ``P`` is the transposed view of a contiguous ``(C_in·kh·kw, n·T)``
+        tensor (see :meth:`patch_columns`); matrix products take it as it is.
+        """
+        columns, positions = self.patch_columns(x)
+        return columns.t(), positions
+
+    def patch_columns(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``Pᵀ``, the patch matrix of ``x`` transposed (``(C_in·kh·kw, n·T)``), and ``T``.
+
+        The columns are read from a strided view of the padded input and copied
+        once. In this order the copy moves runs of output positions, which are
+        contiguous in the input for unit stride; row-major ``P`` (and ``F.unfold``
+        followed by a transpose) gathers ``kw`` elements at a time and costs
+        more on CPU.
         """
         conv = self.module
         kh, kw = _pair(conv.kernel_size)
@@ -98,10 +120,10 @@ class Conv2dHandler(LayerHandler):
         w_out = (w - dw * (kw - 1) - 1) // sw + 1
         s_n, s_c, s_h, s_w = x.stride()
         view = x.as_strided(
-            (n, h_out, w_out, c, kh, kw),
-            (s_n, s_h * sh, s_w * sw, s_c, s_h * dh, s_w * dw),
+            (c, kh, kw, n, h_out, w_out),
+            (s_c, s_h * dh, s_w * dw, s_n, s_h * sh, s_w * sw),
         )
-        return view.reshape(n * h_out * w_out, c * kh * kw), h_out * w_out
+        return view.reshape(c * kh * kw, n * h_out * w_out), h_out * w_out
 
     def patch_means(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Per-sample means of the patch rows (``(n, C_in·kh·kw)``) and ``T``.
@@ -139,8 +161,7 @@ class Conv2dHandler(LayerHandler):
             scale = 1.0 / positions**2
             out = gram_with_ones(means, out, scale) if self.has_bias else gram(means, out, scale)
             return out, n
-        per_sample = self._patch_bytes_per_sample(x)
-        chunk = max(1, min(n, self.max_patch_bytes // max(1, per_sample)))
+        chunk = self._samples_per_slice(x)
         rows = 0
         for start in range(0, n, chunk):
             p, positions = self.patches(x[start : start + chunk])
@@ -157,12 +178,44 @@ class Conv2dHandler(LayerHandler):
             grad_output = grad_output.unsqueeze(0)
         n, c, h, w = grad_output.shape
         positions = h * w
+        scale = 1.0 / positions**2
         if self.estimator == "reduce":
-            return gram(grad_output.mean(dim=(2, 3)), out, 1.0 / positions**2), n
+            return gram(grad_output.mean(dim=(2, 3)), out, scale), n
+        if positions >= c and grad_output.is_contiguous():
+            return self._sample_block_gram(grad_output.reshape(n, c, positions), out, scale), (
+                n * positions
+            )
         rows = grad_output.permute(0, 2, 3, 1).reshape(n * positions, c)
-        return gram(rows, out, 1.0 / positions**2), n * positions
+        return gram(rows, out, scale), n * positions
 
-    def _patch_bytes_per_sample(self, x: torch.Tensor) -> int:
+    def _sample_block_gram(
+        self, blocks: torch.Tensor, out: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
+        """``scale · Σ_n B_n B_nᵀ`` of ``(n, c, T)`` blocks, accumulated into ``out``.
+
+        Equals ``scale · RᵀR`` for ``R``, the ``(n·T, c)`` rows of the blocks,
+        without copying them into that order: one batched product per slice of
+        samples (bounded by ``max_patch_bytes`` of ``(c, c)`` products), summed
+        in at least float32.
+        """
+        n, c, _ = blocks.shape
+        per_sample = c * c * blocks.element_size()
+        chunk = max(1, min(n, self.max_patch_bytes // per_sample))
+        for start in range(0, n, chunk):
+            part = blocks[start : start + chunk]
+            products = torch.bmm(part, part.transpose(1, 2))
+            total = products.sum(dim=0, dtype=torch.promote_types(blocks.dtype, torch.float32))
+            out = total.mul_(scale) if out is None else out.add_(total, alpha=scale)
+        assert out is not None
+        return out
+
+    def _samples_per_slice(self, x: torch.Tensor) -> int:
+        """Samples per slice of the patch matrix.
+
+        At most ``max_patch_bytes`` of patches, but at least one sample and at
+        least ``C_in·kh·kw`` rows, so that each product does more work than
+        re-reading the ``(C_in·kh·kw)²`` accumulator it adds into.
+        """
         conv = self.module
         kh, kw = _pair(conv.kernel_size)
         sh, sw = _pair(conv.stride)
@@ -170,4 +223,8 @@ class Conv2dHandler(LayerHandler):
         left, right, top, bottom = self._padding
         h_out = (x.shape[-2] + top + bottom - dh * (kh - 1) - 1) // sh + 1
         w_out = (x.shape[-1] + left + right - dw * (kw - 1) - 1) // sw + 1
-        return max(1, h_out * w_out) * (self.a_size + 1) * x.element_size()
+        positions = max(1, h_out * w_out)
+        columns = conv.in_channels * kh * kw
+        by_bytes = self.max_patch_bytes // (positions * columns * x.element_size())
+        by_rows = -(-columns // positions)
+        return max(1, min(x.shape[0], max(by_bytes, by_rows)))

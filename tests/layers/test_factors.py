@@ -220,3 +220,36 @@ def test_bfloat16_products_accumulate_in_float32() -> None:
     for got, ref in ((fast.a, exact.a), (fast.g, exact.g)):
         rel = (got.double() - ref).norm() / ref.norm()
         assert rel < 1e-2, rel
+
+
+@pytest.mark.parametrize("max_patch_bytes", [1, 2**20])
+@pytest.mark.parametrize(
+    ("c_out", "size", "channels_last"),
+    [(3, 6, False), (8, 3, False), (3, 6, True)],
+    ids=["positions>=channels", "positions<channels", "channels_last"],
+)
+def test_conv_sums_match_row_major_products(
+    max_patch_bytes: int, c_out: int, size: int, channels_last: bool
+) -> None:
+    """``a_sum``/``g_sum`` equal the products of the row-major matrices, in any slicing."""
+    conv = nn.Conv2d(2, c_out, 3, padding=1).double()
+    handler = kaisa.layers.Conv2dHandler(conv, max_patch_bytes=max_patch_bytes)
+    x = torch.randn(5, 2, size, size, dtype=torch.float64)
+    delta = torch.randn(5, c_out, size, size, dtype=torch.float64)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+        delta = delta.contiguous(memory_format=torch.channels_last)
+    positions = size * size
+    patches = naive_patches(conv, x)
+    patches = torch.cat([patches, torch.ones(patches.shape[0], 1, dtype=torch.float64)], 1)
+    rows = delta.permute(0, 2, 3, 1).reshape(-1, c_out)
+    a_sum, a_rows = handler.a_sum(x)
+    g_sum, g_rows = handler.g_sum(delta)
+    assert a_rows == g_rows == 5 * positions
+    torch.testing.assert_close(a_sum, patches.T @ patches / positions**2, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g_sum, rows.T @ rows / positions**2, rtol=1e-12, atol=1e-12)
+    # Accumulating into an existing sum adds.
+    g_twice, _ = handler.g_sum(delta, g_sum.clone())
+    torch.testing.assert_close(g_twice, 2 * g_sum, rtol=1e-12, atol=1e-12)
+    a_twice, _ = handler.a_sum(x, a_sum.clone())
+    torch.testing.assert_close(a_twice, 2 * a_sum, rtol=1e-12, atol=1e-12)
