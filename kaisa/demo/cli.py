@@ -37,7 +37,7 @@ DEFAULTS: dict[str, Any] = {
     "factor_update_steps": 10,
     "inv_update_steps": 100,
     "damping": 0.03,
-    "kl_clip": 0.001,
+    "kl_clip": 0.003,
     "factor_decay": 0.95,
     "target": 0.91,
     "seeds": (0, 1, 2),
