@@ -81,6 +81,24 @@ def dense_reference_step(
     return [nu * p for p, _ in pairs]
 
 
+def assert_step_matches(
+    model: nn.Sequential,
+    pre: kaisa.KFACPreconditioner,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    expected: list[torch.Tensor],
+) -> None:
+    """One backward pass and ``pre.step()``; the gradients must equal ``expected``."""
+    loss_fn(model, x, y).backward()
+    pre.step()
+    got = [
+        torch.cat([model[0].weight.grad, model[0].bias.grad[:, None]], 1),
+        model[2].weight.grad,
+    ]
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("outer", [True, False])
 @pytest.mark.parametrize("in_hook", [True, False])
 def test_step_matches_dense_kfac(outer: bool, in_hook: bool) -> None:
@@ -99,14 +117,7 @@ def test_step_matches_dense_kfac(outer: bool, in_hook: bool) -> None:
         compute_eigenvalue_outer_product=outer,
         update_factors_in_hook=in_hook,
     )
-    loss_fn(model, x, y).backward()
-    pre.step()
-    got = [
-        torch.cat([model[0].weight.grad, model[0].bias.grad[:, None]], 1),
-        model[2].weight.grad,
-    ]
-    for g, e in zip(got, expected, strict=True):
-        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
+    assert_step_matches(model, pre, x, y, expected)
 
 
 @pytest.mark.parametrize("outer", [True, False])
@@ -129,14 +140,7 @@ def test_relative_damping_and_first_batch_init_match_dense_kfac(outer: bool) -> 
         damping_mode="relative",
         factor_init="first_batch",
     )
-    loss_fn(model, x, y).backward()
-    pre.step()
-    got = [
-        torch.cat([model[0].weight.grad, model[0].bias.grad[:, None]], 1),
-        model[2].weight.grad,
-    ]
-    for g, e in zip(got, expected, strict=True):
-        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
+    assert_step_matches(model, pre, x, y, expected)
     assert [layer.block.updates for layer in pre.layers] == [1, 1]
 
 
