@@ -66,6 +66,20 @@ def explicit_padding(conv: nn.Conv2d) -> tuple[int, int, int, int]:
     return (pw, pw, ph, ph)
 
 
+def _selection(
+    size: int, pad: int, kernel: int, dilation: int, stride: int, out: int, like: torch.Tensor
+) -> torch.Tensor:
+    """``S[k, i] = 1`` when input index ``i`` is read by kernel offset ``k`` at some output.
+
+    Input index ``i`` sits at ``i + pad`` in the padded input; offset ``k``
+    reads the padded indices ``k·dilation + stride·t`` for ``t < out``.
+    """
+    shift = torch.arange(size, device=like.device) + pad
+    shift = shift.unsqueeze(0) - torch.arange(kernel, device=like.device).unsqueeze(1) * dilation
+    hit = (shift >= 0) & (shift % stride == 0) & (shift < stride * out)
+    return hit.to(like.dtype)
+
+
 class Conv2dHandler(LayerHandler):
     """A ``groups == 1`` 2-D convolution with any stride, padding mode and dilation."""
 
@@ -128,29 +142,35 @@ class Conv2dHandler(LayerHandler):
     def patch_means(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Per-sample means of the patch rows (``(n, C_in·kh·kw)``) and ``T``.
 
-        Each column (channel, ky, kx) averages one strided window of the
-        padded input, so the patch matrix itself is never built.
+        The mean of column (channel, ky, kx) is the sum of ``x`` over the rows
+        ``ky·dh + sh·t`` and the columns ``kx·dw + sw·t`` of the padded input,
+        divided by ``T``; as 0/1 selection matrices ``M`` (``kh × H``) and
+        ``N`` (``kw × W``) that is ``M x Nᵀ`` for every (sample, channel): two
+        small matrix products that read the input once, for any stride and
+        dilation. Zero padding contributes nothing, so it is folded into the
+        selection matrices instead of being copied; other padding modes pad
+        first. The patch matrix itself is never built.
         """
         conv = self.module
-        if any(self._padding):
-            x = F.pad(x, self._padding, mode=self._pad_mode)
         kh, kw = _pair(conv.kernel_size)
         sh, sw = _pair(conv.stride)
         dh, dw = _pair(conv.dilation)
-        h_out = (x.shape[-2] - dh * (kh - 1) - 1) // sh + 1
-        w_out = (x.shape[-1] - dw * (kw - 1) - 1) // sw + 1
-        columns = [
-            x[
-                :,
-                :,
-                ky * dh : ky * dh + sh * (h_out - 1) + 1 : sh,
-                kx * dw : kx * dw + sw * (w_out - 1) + 1 : sw,
-            ].mean(dim=(2, 3))
-            for ky in range(kh)
-            for kx in range(kw)
-        ]  # kh·kw tensors of shape (n, C), ordered (ky, kx)
-        means = torch.stack(columns, dim=2)  # (n, C, kh·kw): the unfold order (c, ky, kx)
-        return means.reshape(x.shape[0], -1), h_out * w_out
+        left, right, top, bottom = self._padding
+        if self._pad_mode != "constant" and any(self._padding):
+            x = F.pad(x, self._padding, mode=self._pad_mode)
+            left = right = top = bottom = 0
+        n, c, h, w = x.shape
+        h_out = (h + top + bottom - dh * (kh - 1) - 1) // sh + 1
+        w_out = (w + left + right - dw * (kw - 1) - 1) // sw + 1
+        rows = _selection(h, top, kh, dh, sh, h_out, x)  # (kh, h)
+        cols = _selection(w, left, kw, dw, sw, w_out, x)  # (kw, w)
+        # Both products keep the long (n·c·h) dimension last: a skinny product
+        # with the (w, kw) matrix on the right runs several times slower on CPU.
+        by_column = cols @ x.reshape(n * c * h, w).t()  # (kw, n·c·h)
+        sums = rows @ by_column.reshape(kw * n * c, h).t()  # (kh, kw·n·c)
+        positions = h_out * w_out
+        means = sums.reshape(kh, kw, n, c).permute(2, 3, 0, 1).reshape(n, c * kh * kw)
+        return means.div_(positions), positions
 
     def a_sum(self, x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         if x.dim() == 3:

@@ -198,6 +198,27 @@ def test_conv2d_reduce_estimator(case: dict[str, object]) -> None:
     torch.testing.assert_close(block.g, d_bar.T @ d_bar / n, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize(
+    "case",
+    [dict(kernel_size=2, stride=3, padding=1), dict(kernel_size=3, stride=2, dilation=2)],
+    ids=["k2-s3-p1", "k3-s2-d2"],
+)
+def test_patch_means_equal_naive_patch_means(case: dict[str, object]) -> None:
+    """Position means of the patches, for uneven strides and a channels-last input."""
+    from kaisa.layers.conv import Conv2dHandler
+
+    conv = nn.Conv2d(3, 2, **case).double()  # type: ignore[arg-type]
+    x = torch.randn(4, 3, 9, 8, dtype=torch.float64)
+    patches = naive_patches(conv, x)
+    positions = conv(x).shape[-2] * conv(x).shape[-1]
+    expected = patches.reshape(4, positions, -1).mean(1)
+    handler = Conv2dHandler(conv, estimator="reduce")
+    for inp in (x, x.to(memory_format=torch.channels_last)):
+        means, t = handler.patch_means(inp)
+        assert t == positions
+        torch.testing.assert_close(means, expected, rtol=1e-12, atol=1e-14)
+
+
 def test_reduce_equals_expand_when_rows_do_not_vary_over_positions() -> None:
     """Constant input and a 1×1 conv: both estimators agree, so damping carries over."""
     conv = nn.Conv2d(2, 3, 1).double()
