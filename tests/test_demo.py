@@ -167,6 +167,30 @@ def test_warmup_cosine_shape() -> None:
     assert all(lr(s) >= lr(s + 1) for s in range(10, 109))
 
 
+def test_stop_at_target_ends_at_the_first_hit(tiny: Path) -> None:
+    """A sweep run that stops at the target has the full run's points up to the first hit."""
+    import torch
+
+    from kaisa.demo.config import ArmConfig, DemoConfig
+    from kaisa.demo.train import train_arm
+
+    torch.set_num_threads(1)
+    data = load_fashion_mnist(str(tiny))
+    arm = ArmConfig("sgd", 0.05)
+    config = DemoConfig(
+        data_dir=str(tiny), out_dir="", arms=(arm,), epochs=3, batch_size=32,
+        eval_every=2, target_accuracy=0.3, progress=False,
+    )  # fmt: skip
+    full = train_arm(data, config, arm, seed=0)
+    stopped = train_arm(data, config, arm, seed=0, stop_at_target=True)
+    hit = full.first_reaching(0.3)
+    assert hit is not None and hit.step < full.steps
+    assert stopped.steps == hit.step
+    assert [p.step for p in stopped.points] == [p.step for p in full.points if p.step <= hit.step]
+    assert stopped.first_reaching(0.3) is not None
+    assert stopped.first_reaching(0.3).test_accuracy == hit.test_accuracy  # type: ignore[union-attr]
+
+
 # --- the whole demo --------------------------------------------------------------------
 
 

@@ -294,12 +294,15 @@ def train_arm(
     seed: int,
     dist: DistContext | None = None,
     progress: bool = False,
+    stop_at_target: bool = False,
 ) -> RunResult:
     """Train ``config.model`` with ``arm``'s optimizer for ``config.epochs`` epochs.
 
     The model's initial weights and the order of the training batches depend on
     ``seed`` only, so both arms of a comparison start from the same weights and
-    see the same batches.
+    see the same batches. ``stop_at_target`` ends the run at the first
+    evaluation that reaches the target (for sweeps that rank by time or steps
+    to the target; the final accuracy is then that evaluation's).
     """
     dist = dist or DistContext()
     batch = config.batch_size
@@ -391,12 +394,14 @@ def train_arm(
                 record()
                 reached = reached or (last_acc is not None and last_acc >= config.target_accuracy)
                 next_eval = step + _eval_interval(config, last_acc, reached)
+                if reached and stop_at_target:
+                    break
         if bar is not None:
             final = "diverged" if result.diverged else f"loss {epoch_loss / steps_per_epoch:.3f}"
             if last_acc is not None:
                 final += f" test acc {last_acc:.4f}"
             bar.close(final)
-        if result.diverged:
+        if result.diverged or (reached and stop_at_target):
             break
     if result.diverged and (not result.points or result.points[-1].step != step):
         record()
