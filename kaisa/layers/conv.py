@@ -26,7 +26,7 @@ positions *before* the outer product, ``ā_n = mean_t ā_nt`` and
 ``G = Σ_n δ̄_n δ̄_nᵀ / N``. When a sample's rows do not vary over positions it
 equals the default ('expand'), so damping values carry over; it costs ``N``
 rows instead of ``N·T`` and never builds the patch matrix (the position means
-of the patches are strided sums of the padded input).
+of the patches are two small products with 0/1 selection matrices).
 """
 
 from __future__ import annotations

@@ -210,7 +210,8 @@ def test_patch_means_equal_naive_patch_means(case: dict[str, object]) -> None:
     conv = nn.Conv2d(3, 2, **case).double()  # type: ignore[arg-type]
     x = torch.randn(4, 3, 9, 8, dtype=torch.float64)
     patches = naive_patches(conv, x)
-    positions = conv(x).shape[-2] * conv(x).shape[-1]
+    h_out, w_out = conv(x).shape[-2:]
+    positions = h_out * w_out
     expected = patches.reshape(4, positions, -1).mean(1)
     handler = Conv2dHandler(conv, estimator="reduce")
     for inp in (x, x.to(memory_format=torch.channels_last)):
