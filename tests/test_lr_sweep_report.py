@@ -1,0 +1,111 @@
+"""The sweep report of ``benchmarks/lr_sweep.py``: grouping, ranking, CSV."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+SWEEP = Path(__file__).resolve().parents[1] / "benchmarks" / "lr_sweep.py"
+
+
+@pytest.fixture(scope="module")
+def lr_sweep() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("lr_sweep_under_test", SWEEP)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _record(
+    lr: float,
+    seed: int,
+    steps: int | None,
+    seconds: float | None,
+    *,
+    to_target: bool,
+    threads: int = 1,
+    final: float = 0.91,
+) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "model": "gap_cnn",
+        "epochs": 3,
+        "batch_size": 128,
+        "warmup_epochs": 0.25,
+        "target_accuracy": 0.91,
+        "eval_every": 100,
+        "threads": threads,
+    }
+    if to_target:
+        config["stop_at_target"] = True
+    return {
+        "arm": "kaisa",
+        "seed": seed,
+        "hyperparameters": {"optimizer": "SGD", "lr": lr, "momentum": 0.9, "weight_decay": 5e-4},
+        "config": config,
+        "result": {
+            "time_to_target_s": seconds,
+            "steps_to_target": steps,
+            "final_test_accuracy": final,
+            "best_test_accuracy": final,
+            "seconds_per_step": 0.1,
+        },
+    }
+
+
+def test_to_target_rows_rank_by_steps_and_stay_apart(lr_sweep: ModuleType) -> None:
+    runs = [
+        # lr 0.1: fewer steps but, under a heavier load, more seconds.
+        *(_record(0.1, s, n, 90.0, to_target=True) for s, n in enumerate((600, 650, 625))),
+        *(_record(0.05, s, n, 70.0, to_target=True) for s, n in enumerate((700, 700, 675))),
+        # The same lr run to the end and with 2 threads: separate rows.
+        _record(0.1, 0, 600, 60.0, to_target=False),
+        _record(0.1, 0, 600, 50.0, to_target=True, threads=2),
+    ]
+    rows = lr_sweep.summarize(runs, 0.91)
+    assert len(rows) == 4
+    to_target_1 = [r for r in rows if r["stop_at_target"] and r["threads"] == 1]
+    assert [r["hyperparameters"]["lr"] for r in to_target_1] == [0.1, 0.05]
+    assert to_target_1[0]["steps_to_target"] == 625
+    assert to_target_1[0]["steps_per_seed"] == "600/650/625"
+    assert to_target_1[1]["steps_per_seed"] == "700/700/675"
+    full = [r for r in rows if not r["stop_at_target"]]
+    assert len(full) == 1 and full[0]["time_to_target_s"] == 60.0
+
+
+def test_a_seed_that_missed_the_target_counts_as_infinite(lr_sweep: ModuleType) -> None:
+    runs = [
+        _record(0.2, 0, None, None, to_target=True, final=0.905),
+        _record(0.2, 1, None, None, to_target=True, final=0.905),
+        _record(0.2, 2, 500, 40.0, to_target=True),
+        _record(0.05, 0, 700, 70.0, to_target=True),
+    ]
+    rows = lr_sweep.summarize(runs, 0.91)
+    assert [r["hyperparameters"]["lr"] for r in rows] == [0.05, 0.2]
+    missed = rows[1]
+    assert missed["reached"] == 1 and missed["time_to_target_s"] is None
+    assert missed["steps_per_seed"] == "-/-/500"
+
+
+def test_report_prints_the_best_and_writes_the_csv(
+    lr_sweep: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = [
+        *(_record(0.1, s, n, 90.0, to_target=True) for s, n in enumerate((600, 650, 625))),
+        *(_record(0.05, s, n, 70.0, to_target=True) for s, n in enumerate((700, 700, 675))),
+    ]
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"description": "test", "runs": runs}))
+    assert lr_sweep.report(path, None) == 0
+    out = capsys.readouterr().out
+    best = out.split("best per arm", 1)[1]
+    assert "lr=0.1 [to target] (steps 600/650/625)" in best
+    with path.with_suffix(".csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert [row["steps_per_seed"] for row in table] == ["600/650/625", "700/700/675"]
