@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 
 from kaisa.demo.cli import main
+from kaisa.demo.compare import _paired_ratios
 from kaisa.demo.data import FILES, DatasetError, load_fashion_mnist, read_idx, write_idx
+from kaisa.demo.report import verdict
 from kaisa.demo.train import warmup_cosine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +102,16 @@ def _check_outputs(out: Path, arms: tuple[str, ...] = ("sgd", "kaisa")) -> dict[
         assert kfac["damping_mode"] == "relative" and kfac["factor_init"] == "first_batch"
         for run in kaisa_arm["per_seed"]:
             assert 0.0 <= run["kl_clipped_fraction"] <= 1.0
+    if set(arms) == {"sgd", "kaisa"}:
+        sgd_times = {r["seed"]: r["time_to_target_s"] for r in results["arms"]["sgd"]["per_seed"]}
+        for seed, ratio in results["kaisa_time_ratio_per_seed"].items():
+            kaisa_time = next(
+                r["time_to_target_s"]
+                for r in results["arms"]["kaisa"]["per_seed"]
+                if str(r["seed"]) == seed
+            )
+            if ratio:
+                assert ratio == pytest.approx(kaisa_time / sgd_times[int(seed)])
     with (out / "evaluations.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert rows
@@ -165,6 +177,39 @@ def test_warmup_cosine_shape() -> None:
     assert lr(60) == pytest.approx(0.1)
     assert lr(109) < 0.001
     assert all(lr(s) >= lr(s + 1) for s in range(10, 109))
+
+
+def test_paired_ratios_seed_by_seed() -> None:
+    sgd = [
+        {"seed": 0, "time_to_target_s": 100.0},
+        {"seed": 1, "time_to_target_s": 80.0},
+        {"seed": 2, "time_to_target_s": None},
+        {"seed": 3, "time_to_target_s": 50.0},
+        {"seed": 4, "time_to_target_s": None},
+    ]
+    kaisa = [
+        {"seed": 0, "time_to_target_s": 70.0},
+        {"seed": 1, "time_to_target_s": 60.0},
+        {"seed": 2, "time_to_target_s": 40.0},
+        {"seed": 3, "time_to_target_s": None},
+        {"seed": 4, "time_to_target_s": None},
+        {"seed": 5, "time_to_target_s": 10.0},
+    ]
+    paired = _paired_ratios(sgd, kaisa)
+    # Seed 4 (neither reached) and seed 5 (no SGD run) are left out.
+    assert paired == {"0": pytest.approx(0.7), "1": pytest.approx(0.75), "2": 0.0, "3": None}
+
+
+def test_verdict_gives_the_median_and_the_seed_by_seed_ratios() -> None:
+    results = {
+        "target_accuracy": 0.91,
+        "arms": {"sgd": {"time_to_target_s": 100.0}, "kaisa": {"time_to_target_s": 65.0}},
+        "kaisa_time_ratio_per_seed": {"0": 0.74, "1": 0.65, "2": None},
+        "kaisa_time_ratio_per_seed_median": 0.74,
+    }
+    text = verdict(results)
+    assert text.startswith("SGD + KAISA reached 91.0% in 0.65x SGD's time (65.0 s vs 100.0 s")
+    assert "Seed by seed: 0.74x (seed 0), 0.65x (seed 1), never (seed 2); median 0.74x." in text
 
 
 def test_stop_at_target_ends_at_the_first_hit(tiny: Path) -> None:

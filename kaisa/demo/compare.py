@@ -51,6 +51,34 @@ def _median_known(values: Sequence[float | None]) -> float | None:
     return statistics.median(known) if known else None
 
 
+def _paired_ratios(
+    sgd: Sequence[dict[str, Any]], kaisa: Sequence[dict[str, Any]]
+) -> dict[str, float | None]:
+    """KAISA's time to the target over SGD's, seed by seed (same seed, same data order).
+
+    Keyed by the seed as a string (JSON keys are strings). A seed that only
+    SGD reached gives ``None`` (an infinite ratio, as in the medians); one
+    that KAISA reached and SGD did not gives ``0.0``; one neither reached is
+    left out.
+    """
+    times = {row["seed"]: row["time_to_target_s"] for row in sgd}
+    out: dict[str, float | None] = {}
+    for row in kaisa:
+        seed, k = row["seed"], row["time_to_target_s"]
+        if seed not in times:
+            continue
+        s = times[seed]
+        if s is None and k is None:
+            continue
+        if k is None:
+            out[str(seed)] = None
+        elif s is None:
+            out[str(seed)] = 0.0
+        elif s > 0:
+            out[str(seed)] = k / s
+    return out
+
+
 def machine_info() -> dict[str, Any]:
     """The machine and its load, for the record."""
     cpu = platform.processor() or platform.machine()
@@ -109,15 +137,19 @@ def summarize(
             "per_seed": per_seed,
         }
     ratio = None
+    paired: dict[str, float | None] = {}
     names = [a.name for a in config.arms]
     if "sgd" in arms and "kaisa" in arms:
         s, k = arms["sgd"]["time_to_target_s"], arms["kaisa"]["time_to_target_s"]
         if s is not None and k is not None and s > 0:
             ratio = k / s
+        paired = _paired_ratios(arms["sgd"]["per_seed"], arms["kaisa"]["per_seed"])
     steps_per_epoch = runs[0].steps_per_epoch if runs else None
     return {
         "target_accuracy": target,
         "kaisa_time_ratio": ratio,
+        "kaisa_time_ratio_per_seed": paired,
+        "kaisa_time_ratio_per_seed_median": _median(list(paired.values())) if paired else None,
         "arms": arms,
         "arm_order": names,
         "shared": {

@@ -103,13 +103,23 @@ def verdict(results: dict[str, Any]) -> str:
         return f"SGD did not reach {target:.1%}; SGD + KAISA did in {k:.1f} s."
     ratio = k / s
     if ratio <= 1.0:
-        return (
+        text = (
             f"SGD + KAISA reached {target:.1%} in {ratio:.2f}x SGD's time "
             f"({k:.1f} s vs {s:.1f} s, {1 - ratio:.1%} less)."
         )
-    return (
-        f"SGD + KAISA took {ratio:.2f}x SGD's time to reach {target:.1%} ({k:.1f} s vs {s:.1f} s)."
-    )
+    else:
+        text = (
+            f"SGD + KAISA took {ratio:.2f}x SGD's time to reach {target:.1%} "
+            f"({k:.1f} s vs {s:.1f} s)."
+        )
+    paired = results.get("kaisa_time_ratio_per_seed") or {}
+    if len(paired) > 1:
+        each = ", ".join(
+            f"{'never' if r is None else f'{r:.2f}x'} (seed {seed})" for seed, r in paired.items()
+        )
+        median = results.get("kaisa_time_ratio_per_seed_median")
+        text += f" Seed by seed: {each}; median {'-' if median is None else f'{median:.2f}x'}."
+    return text
 
 
 def write_results(results: dict[str, Any], path: Path) -> None:
