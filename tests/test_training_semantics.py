@@ -300,3 +300,34 @@ def test_remove_hooks() -> None:
     pre.remove_hooks()
     model(data(2)[0].float())
     assert pre.memory_usage()["captures"] == 0
+
+
+@pytest.mark.parametrize("estimator", ["expand", "reduce"])
+def test_channels_last_model_trains_like_a_contiguous_one(estimator: str) -> None:
+    """Memory format is a layout, not maths: the same steps give the same weights."""
+    torch.manual_seed(0)
+    contiguous = Net().to(D)
+    models = [contiguous, copy.deepcopy(contiguous).to(memory_format=torch.channels_last)]
+    weights = []
+    for index, model in enumerate(models):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        pre = kaisa.KFACPreconditioner(
+            model,
+            factor_update_steps=1,
+            inv_update_steps=2,
+            conv_factor_estimator=estimator,
+            inv_dtype=D,
+        )
+        for step in range(4):
+            x, y = data(8, seed=step)
+            if index == 1:
+                x = x.contiguous(memory_format=torch.channels_last)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            pre.step()
+            opt.step()
+        if index == 1:
+            assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
+        weights.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(weights[0], weights[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -168,6 +168,7 @@ def summarize(
             "nproc": config.nproc,
             "data_dir": config.data_dir,
             "quick": config.quick,
+            "channels_last": config.channels_last,
         },
         "machine": {
             "at_start": machine_before,

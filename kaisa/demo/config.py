@@ -71,6 +71,9 @@ class DemoConfig:
     nproc: int = 1
     progress: bool = True
     quick: bool = False
+    #: Train and evaluate in ``torch.channels_last`` (both arms): the same
+    #: maths, about 1.3x faster convolutions on the CPUs measured here.
+    channels_last: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:

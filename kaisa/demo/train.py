@@ -175,16 +175,24 @@ def build_demo_model(name: str, image_shape: tuple[int, int, int]) -> nn.Module:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, x: Tensor, y: Tensor, dist: DistContext, batch_size: int = 256
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    dist: DistContext,
+    batch_size: int = 256,
+    memory_format: torch.memory_format = torch.contiguous_format,
 ) -> tuple[float, float]:
-    """Test accuracy and mean cross-entropy over ``(x, y)``, split across ranks."""
+    """Test accuracy and mean cross-entropy over ``(x, y)``, split across ranks.
+
+    Each batch is laid out in ``memory_format`` (the model's) before the forward pass.
+    """
     was_training = model.training
     model.eval()
     xs, ys = x[dist.rank :: dist.world], y[dist.rank :: dist.world]
     correct = 0.0
     loss_sum = 0.0
     for i in range(0, xs.shape[0], batch_size):
-        out = model(xs[i : i + batch_size])
+        out = model(xs[i : i + batch_size].contiguous(memory_format=memory_format))
         target = ys[i : i + batch_size]
         loss_sum += float(F.cross_entropy(out, target, reduction="sum"))
         correct += float((out.argmax(dim=1) == target).sum())
@@ -318,6 +326,9 @@ def train_arm(
 
     torch.manual_seed(seed)
     model: nn.Module = build_demo_model(config.model, data.image_shape)
+    layout = torch.channels_last if config.channels_last else torch.contiguous_format
+    # Module.to(memory_format=...) is documented but missing from torch's stubs.
+    model = model.to(memory_format=layout)  # type: ignore[call-overload]
     if dist.world > 1:
         model = nn.parallel.DistributedDataParallel(model)
     model.train()
@@ -343,7 +354,7 @@ def train_arm(
 
     def record() -> None:
         nonlocal loss_sum, loss_count, last_acc
-        acc, test_loss = evaluate(model, data.test_x, data.test_y, dist)
+        acc, test_loss = evaluate(model, data.test_x, data.test_y, dist, memory_format=layout)
         train_loss = dist.all_reduce_sum([loss_sum])[0] / max(1, loss_count * dist.world)
         result.points.append(
             EvalPoint(
@@ -361,7 +372,7 @@ def train_arm(
         for i in range(steps_per_epoch):
             t0 = time.perf_counter()
             idx = perm[i * batch : (i + 1) * batch][dist.rank :: dist.world]
-            x, y = data.train_x[idx], data.train_y[idx]
+            x, y = data.train_x[idx].contiguous(memory_format=layout), data.train_y[idx]
             lr = schedule(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
