@@ -64,7 +64,8 @@ def _intervals(text: str) -> list[tuple[int, int]]:
 def _key(rec: dict[str, Any]) -> str:
     c = rec["config"]
     return json.dumps([c["model"], c["epochs"], c["batch_size"], rec["arm"], rec["seed"],
-                       rec["hyperparameters"], c.get("stop_at_target", False)],
+                       rec["hyperparameters"], c.get("stop_at_target", False),
+                       c.get("channels_last", False)],
                       sort_keys=True)  # fmt: skip
 
 
@@ -115,7 +116,7 @@ def summarize(runs: list[dict[str, Any]], target: float | None) -> list[dict[str
         c = rec["config"]
         key = json.dumps([c["model"], c["epochs"], c["batch_size"], c["target_accuracy"],
                           rec["arm"], rec["hyperparameters"], c.get("stop_at_target", False),
-                          c.get("threads")],
+                          c.get("threads"), c.get("channels_last", False)],
                          sort_keys=True)  # fmt: skip
         groups.setdefault(key, []).append(rec)
     rows = []
@@ -133,7 +134,9 @@ def summarize(runs: list[dict[str, Any]], target: float | None) -> list[dict[str
                 "epochs": c["epochs"],
                 "target": c["target_accuracy"],
                 "arm": recs[0]["arm"],
-                "settings": _label(recs[0]) + (" [to target]" if c.get("stop_at_target") else ""),
+                "settings": _label(recs[0])
+                + (" [channels_last]" if c.get("channels_last") else "")
+                + (" [to target]" if c.get("stop_at_target") else ""),
                 "stop_at_target": bool(c.get("stop_at_target", False)),
                 "threads": c.get("threads"),
                 "seeds": len(recs),
@@ -304,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
             }
             if args.stop_at_target:
                 shared["stop_at_target"] = True
+            if config.channels_last:
+                # Runs before the demo trained in channels_last lack this key.
+                shared["channels_last"] = True
             rec: dict[str, Any] = {
                 "arm": arm.name,
                 "seed": seed,

@@ -109,3 +109,14 @@ def test_report_prints_the_best_and_writes_the_csv(
     with path.with_suffix(".csv").open() as f:
         table = list(csv.DictReader(f))
     assert [row["steps_per_seed"] for row in table] == ["600/650/625", "700/700/675"]
+
+
+def test_channels_last_runs_are_their_own_rows(lr_sweep: ModuleType) -> None:
+    layout_runs = [_record(0.05, s, 700, 50.0, to_target=True) for s in range(2)]
+    for rec in layout_runs:
+        rec["config"]["channels_last"] = True
+    runs = [*layout_runs, _record(0.05, 0, 750, 70.0, to_target=True)]
+    rows = lr_sweep.summarize(runs, 0.91)
+    labels = sorted(r["settings"] for r in rows)
+    assert labels == ["lr=0.05 [channels_last] [to target]", "lr=0.05 [to target]"]
+    assert lr_sweep._key(layout_runs[0]) != lr_sweep._key(runs[2])
