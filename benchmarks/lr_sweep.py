@@ -61,12 +61,17 @@ def _intervals(text: str) -> list[tuple[int, int]]:
     return pairs
 
 
-def _key(rec: dict[str, Any]) -> str:
+def _settings(rec: dict[str, Any]) -> list[Any]:
+    """What makes runs comparable: everything that identifies a run but its seed."""
     c = rec["config"]
-    return json.dumps([c["model"], c["epochs"], c["batch_size"], rec["arm"], rec["seed"],
-                       rec["hyperparameters"], c.get("stop_at_target", False),
-                       c.get("channels_last", False)],
-                      sort_keys=True)  # fmt: skip
+    return [c["model"], c["epochs"], c["batch_size"], c["target_accuracy"], rec["arm"],
+            rec["hyperparameters"], c.get("stop_at_target", False), c.get("threads"),
+            c.get("channels_last", False)]  # fmt: skip
+
+
+def _key(rec: dict[str, Any]) -> str:
+    """One run: its settings and its seed (a sweep skips runs already in the file)."""
+    return json.dumps([*_settings(rec), rec["seed"]], sort_keys=True)
 
 
 def _load(path: Path) -> list[dict[str, Any]]:
@@ -113,12 +118,7 @@ def summarize(runs: list[dict[str, Any]], target: float | None) -> list[dict[str
     """One row per (model, epochs, batch, arm, settings): medians over seeds."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for rec in runs:
-        c = rec["config"]
-        key = json.dumps([c["model"], c["epochs"], c["batch_size"], c["target_accuracy"],
-                          rec["arm"], rec["hyperparameters"], c.get("stop_at_target", False),
-                          c.get("threads"), c.get("channels_last", False)],
-                         sort_keys=True)  # fmt: skip
-        groups.setdefault(key, []).append(rec)
+        groups.setdefault(json.dumps(_settings(rec), sort_keys=True), []).append(rec)
     rows = []
     for recs in groups.values():
         c = recs[0]["config"]
@@ -163,7 +163,7 @@ def summarize(runs: list[dict[str, Any]], target: float | None) -> list[dict[str
     return rows
 
 
-def _rank(row: dict[str, Any]) -> tuple[float, float, float]:
+def _rank(row: dict[str, Any]) -> tuple[float, float]:
     """Full runs: time to target, then final accuracy.
 
     Runs stopped at the target rank by steps to the target first: such sweeps
@@ -174,8 +174,8 @@ def _rank(row: dict[str, Any]) -> tuple[float, float, float]:
     t = row["time_to_target_s"]
     t = t if t is not None else math.inf
     if row["stop_at_target"]:
-        return (row["steps_to_target"], t, 0.0)
-    return (t, -row["final_test_accuracy"], 0.0)
+        return (row["steps_to_target"], t)
+    return (t, -row["final_test_accuracy"])
 
 
 def report(path: Path, target: float | None) -> int:
@@ -259,8 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     arms: list[ArmConfig] = []
     for lr in args.lrs:
         if args.arm == "sgd":
-            sgd = ArmConfig("sgd", lr, momentum=args.momentum, weight_decay=args.weight_decay)
-            arms.append(sgd)
+            arms.append(ArmConfig("sgd", lr, args.momentum, args.weight_decay))
             continue
         for damping, kl, (factor_steps, inv_steps) in itertools.product(
             args.dampings, args.kl_clips, args.intervals
@@ -275,11 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                 damping_mode=args.damping_mode,
                 factor_init=args.factor_init,
             )
-            arms.append(
-                ArmConfig(
-                    "kaisa", lr, momentum=args.momentum, weight_decay=args.weight_decay, kfac=kfac
-                )
-            )
+            arms.append(ArmConfig("kaisa", lr, args.momentum, args.weight_decay, kfac))
     for arm in arms:
         config = DemoConfig(
             data_dir=args.data_dir,

@@ -72,7 +72,8 @@ class DemoConfig:
     progress: bool = True
     quick: bool = False
     #: Train and evaluate in ``torch.channels_last`` (both arms): the same
-    #: maths, about 1.3x faster convolutions on the CPUs measured here.
+    #: maths, GapCNN steps about 1.3x faster on the CPUs measured here
+    #: (``benchmarks/memory_format.py``).
     channels_last: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
