@@ -16,11 +16,14 @@ per rank, as max and mean over the ranks:
 * elements sent per collective kind, from ``preconditioner.telemetry``
   (``last_step_elements`` after every step): factor all-reduce per
   factor-update step, inverse broadcast per inverse-update step, gradient
-  broadcast per step, and 'layer_flags' per step (kaisa's per-step agreement on
-  which layers ran, outside the cost model of spec §5);
+  broadcast per step, 'layer_flags' per step (kaisa's per-step agreement on
+  which layers ran) and 'factor_rows' per factor-update step (two row counts
+  per layer, sent with the factor all-reduce), both outside the cost model of
+  spec §5;
 * the average elements per step at ``factor_update_steps=10``,
   ``inv_update_steps=100`` (``--avg-intervals``), computed from the measured
-  per-event counts (``fa/10 + ib/100 + gb``; 'layer_flags' not included);
+  per-event counts (``fa/10 + ib/100 + gb``; 'layer_flags' and 'factor_rows'
+  not included);
 * the plan's imbalance (``plan.imbalance()``);
 * median step time per kind of step (plain, factor update, inverse update),
   the average step time those medians give at the ``--avg-intervals``
@@ -31,7 +34,8 @@ per rank, as max and mean over the ranks:
 The ✓/✗ column says whether every rank's counts at every step, and its memory,
 equal exactly what ``kaisa.distributed.cost`` (``rank_traffic``,
 ``rank_memory``) predicts for the plan the preconditioner used; 'layer_flags'
-must be the number of layers at every step. The 'sim' column says whether the
+must be the number of layers at every step and 'factor_rows' twice that at
+every factor-update step. The 'sim' column says whether the
 measured max values equal the row of ``results/distributed_cost.json`` (the
 simulated sizes; ``--simulated``) for the same model, world size and
 fraction, if that file has one; the quantities that differ are listed.
@@ -86,7 +90,13 @@ from harness import DistributedTestError, run_distributed  # noqa: E402
 DEFAULT_JSON = _HERE / "results" / "distributed_real.json"
 SIMULATED_JSON = _HERE / "results" / "distributed_cost.json"
 FRACTIONS: dict[str, float | str] = {"mem-opt": "mem-opt", "hybrid-opt": 0.5, "comm-opt": 1.0}
-KINDS = ("factor_allreduce", "inverse_broadcast", "grad_broadcast", "layer_flags")
+KINDS = (
+    "factor_allreduce",
+    "inverse_broadcast",
+    "grad_broadcast",
+    "layer_flags",
+    "factor_rows",
+)
 # Kind of step a phase happens on (its per-phase time is the median over those steps).
 PHASE_STEPS = {
     "capture": "factor",
@@ -239,6 +249,7 @@ def _analyse(
             "inverse_broadcast": traffic.inverse_broadcast,
             "grad_broadcast": traffic.grad_broadcast,
             "layer_flags": got["num_layers"],
+            "factor_rows": 2 * got["num_layers"],
         }
         # Measured count per event: the value seen on the steps where the event happens.
         measured_event: dict[str, int] = {}
@@ -247,6 +258,7 @@ def _analyse(
             ("inverse_broadcast", ("inverse",)),
             ("grad_broadcast", ("plain", "factor", "inverse")),
             ("layer_flags", ("plain", "factor", "inverse")),
+            ("factor_rows", ("factor", "inverse")),
         ):
             seen = {s["elements"][kind] for s in got["steps"] if s["kind"] in on}
             if len(seen) != 1:
@@ -262,6 +274,7 @@ def _analyse(
                 else 0,
                 "grad_broadcast": predicted_event["grad_broadcast"],
                 "layer_flags": predicted_event["layer_flags"],
+                "factor_rows": predicted_event["factor_rows"] if s["kind"] != "plain" else 0,
             }
             wrong = {k: (s["elements"][k], v) for k, v in expected.items() if s["elements"][k] != v}
             if wrong:

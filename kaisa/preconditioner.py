@@ -331,8 +331,8 @@ class KFACPreconditioner:
                 ):
                     self._submit(layer)
 
-    def _batch_factors(self, layer: _Layer) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``A_batch`` and ``G_batch`` of this step's captures, or ``None`` if there are none."""
+    def _batch_factors(self, layer: _Layer) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+        """``A_batch``, ``G_batch`` and their row counts, or ``None`` without captures."""
         handler = layer.handler
         with self.telemetry.timer("factor_products"):
             for x in layer.inputs:
@@ -352,7 +352,7 @@ class KFACPreconditioner:
             g_scale *= self._step_scale**2
         a_batch = layer.a_acc.div_(layer.a_rows)
         g_batch = layer.g_acc.div_(layer.g_rows * g_scale)
-        return a_batch, g_batch
+        return a_batch, g_batch, layer.a_rows, layer.g_rows
 
     def _submit(self, layer: _Layer) -> None:
         batch = self._batch_factors(layer)

@@ -27,9 +27,17 @@ PHASES = (
 )
 
 #: Kinds of collective whose traffic is counted: the three of spec §5's cost
-#: model, and the per-step agreement on which layers ran (``len(layers)``
-#: elements, only with several ranks).
-COLLECTIVES = ("factor_allreduce", "inverse_broadcast", "grad_broadcast", "layer_flags")
+#: model, and two small additions outside it, only with several ranks: the
+#: per-step agreement on which layers ran (``len(layers)`` elements) and the
+#: row counts that travel with each factor all-reduce (two per layer, in the
+#: same call, so each bucket counts one call of each kind).
+COLLECTIVES = (
+    "factor_allreduce",
+    "inverse_broadcast",
+    "grad_broadcast",
+    "layer_flags",
+    "factor_rows",
+)
 
 
 class Telemetry:

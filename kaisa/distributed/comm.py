@@ -70,7 +70,7 @@ def packed_numel(n: int, symmetric: bool) -> int:
 @dataclass
 class _Bucket:
     names: tuple[str, ...]
-    ready: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    ready: dict[str, tuple[torch.Tensor, torch.Tensor, float, float]] = field(default_factory=dict)
     work: Work | None = None
     buffer: torch.Tensor | None = None
 
@@ -165,9 +165,20 @@ class Communicator:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def submit_factors(self, name: str, a_batch: torch.Tensor, g_batch: torch.Tensor) -> None:
+    def submit_factors(
+        self,
+        name: str,
+        a_batch: torch.Tensor,
+        g_batch: torch.Tensor,
+        a_rows: float = 1.0,
+        g_rows: float = 1.0,
+    ) -> None:
         """Hand over one layer's final batch factors for this step.
 
+        ``a_rows`` and ``g_rows`` are the rows the batch factors average over on
+        this rank: :meth:`reduced_factors` weights each rank's factors by them,
+        so the result is the mean over every row that went through the layer on
+        any rank (a rank whose forward pass skipped the layer adds nothing).
         The layer's bucket is all-reduced (asynchronously) as soon as all of its
         layers and all earlier buckets are in; :meth:`reduced_factors` sends
         whatever is left.
@@ -179,7 +190,7 @@ class Communicator:
                 "step; the number of forward/backward passes per step must equal "
                 "accumulation_steps"
             )
-        bucket.ready[name] = (a_batch, g_batch)
+        bucket.ready[name] = (a_batch, g_batch, float(a_rows), float(g_rows))
         if self.distributed:
             for queued in self._buckets:  # in bucket order, up to the first incomplete one
                 if queued.work is None:
@@ -188,35 +199,49 @@ class Communicator:
                     self._launch(queued)
 
     def _launch(self, bucket: _Bucket) -> None:
+        # Each layer's factors go out multiplied by this rank's row counts, and
+        # the counts themselves follow at the end of the buffer: the sum over
+        # ranks then divides into the mean over all rows (see _unpack).
         pieces: list[torch.Tensor] = []
+        rows: list[float] = []
         for name in bucket.names:
             a_size, g_size = self._sizes[name]
             if name in bucket.ready:
-                a, g = bucket.ready[name]
+                a, g, a_rows, g_rows = bucket.ready[name]
             else:  # not captured on this rank this step: contributes nothing
                 a = torch.zeros(a_size, a_size, device=self.device, dtype=self.dtype)
                 g = torch.zeros(g_size, g_size, device=self.device, dtype=self.dtype)
-            for matrix in (a, g):
+                a_rows = g_rows = 0.0
+            for matrix, count in ((a, a_rows), (g, g_rows)):
                 pieces.append(pack_symmetric(matrix) if self.symmetry_aware else matrix.reshape(-1))
+                rows.append(count)
+        pieces.append(torch.tensor(rows, device=self.device, dtype=pieces[0].dtype))
         buffer = torch.cat(pieces)
+        offset = 0
+        for piece, count in zip(pieces[:-1], rows, strict=True):
+            buffer[offset : offset + piece.numel()].mul_(count)
+            offset += piece.numel()
         with self.telemetry.timer("factor_allreduce"):
             bucket.work = dist.all_reduce(buffer, group=self.allreduce_group, async_op=True)
         bucket.buffer = buffer
-        self.telemetry.count("factor_allreduce", buffer)
+        self.telemetry.count("factor_allreduce", buffer[: -len(rows)])
+        self.telemetry.count("factor_rows", buffer[-len(rows) :])
 
     def reduced_factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Batch factors averaged over all ranks.
 
         With one rank: the layers captured this step. With several: waits for
         the launched buckets and launches the rest, in the same order on every
-        rank, so that every bucket is reduced on every factor-update step; a
-        layer not captured on a rank contributes zeros there, and one captured
-        on no rank comes back as zeros (the caller skips it). Clears the buckets.
+        rank, so that every bucket is reduced on every factor-update step. Each
+        rank's batch factors are weighted by its row counts, so a layer that
+        some ranks did not call (a data-dependent branch) is averaged over the
+        rows of the ranks that did, as one process would; one captured on no
+        rank comes back as zeros (the caller skips it). Clears the buckets.
         """
         result: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if not self.distributed:
             for bucket in self._buckets:
-                result.update(bucket.ready)
+                result.update({name: (a, g) for name, (a, g, _, _) in bucket.ready.items()})
                 bucket.ready = {}
             return result
         for bucket in self._buckets:
@@ -233,7 +258,9 @@ class Communicator:
 
     def _unpack(self, bucket: _Bucket) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         assert bucket.buffer is not None
-        buffer = bucket.buffer.div_(self.world_size)
+        buffer = bucket.buffer
+        # Rows per factor summed over the ranks; 0 (captured nowhere) leaves zeros.
+        totals = iter(buffer[-2 * len(bucket.names) :].clamp(min=1.0).tolist())
         out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         offset = 0
         for name in bucket.names:
@@ -241,7 +268,7 @@ class Communicator:
             matrices = []
             for n in (a_size, g_size):
                 numel = packed_numel(n, self.symmetry_aware)
-                flat = buffer[offset : offset + numel]
+                flat = buffer[offset : offset + numel].div_(next(totals))
                 offset += numel
                 matrices.append(
                     unpack_symmetric(flat, n) if self.symmetry_aware else flat.view(n, n)

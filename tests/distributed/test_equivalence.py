@@ -10,7 +10,9 @@ accumulation (two micro-batches, each loss halved), one all-reduce bucket
 per layer, a layer called twice per forward pass, a model with fewer layers
 than gradient-worker columns, and a layer that no rank uses at some steps.
 A last test has one rank skip a layer the others use (data-dependent
-control flow): the ranks must still agree and must not hang.
+control flow): the ranks must agree, must not hang, and must reproduce one
+process in which that rank's share of the batch skips the layer (its
+factors then average over the rows that went through it).
 
 Process start-up dominates the cost, so each world size is one spawned run
 that loops over all its configurations, building a fresh model and
@@ -109,7 +111,11 @@ class OneLayer(nn.Module):
 
 
 class Branchy(nn.Module):
-    """A Linear layer that the forward pass skips while ``use_branch`` is off."""
+    """A Linear layer that the forward pass skips while ``use_branch`` is off.
+
+    ``skip_rows`` (one process standing in for several ranks) makes only those
+    rows of the batch skip it: the layer is then called on the other rows.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -117,16 +123,24 @@ class Branchy(nn.Module):
         self.branch = nn.Linear(12, 12)
         self.head = nn.Linear(12, CLASSES)
         self.use_branch = True
+        self.skip_rows: slice | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.tanh(self.conv(x)).flatten(1)
-        if self.use_branch:
+        if self.skip_rows is not None:
+            keep = torch.ones(x.shape[0], dtype=torch.bool)
+            keep[self.skip_rows] = False
+            out = x.clone()
+            out[keep] = torch.tanh(self.branch(x[keep]))
+            x = out
+        elif self.use_branch:
             x = torch.tanh(self.branch(x))
         return self.head(x)
 
 
 MODELS = {"net": Net, "shared": SharedNet, "one_layer": OneLayer, "branchy": Branchy}
 BRANCH_SKIPPED = (1, 2)  # steps at which Branchy skips its branch on every rank
+PARTIAL_WORLD = 4  # world size of the test in which one rank alone skips it
 SMALL_BUCKET_MB = 1e-4  # 26 float32 elements: one all-reduce bucket per layer
 
 
@@ -146,9 +160,15 @@ class Config:
     # damping_mode='relative' and factor_init='first_batch' (the demo's settings).
     relative: bool = False
 
-    def reference_key(self) -> tuple[str, bool, str, bool]:
+    def reference_key(self) -> tuple[str, bool, str, bool, int | None]:
         """The single-process run this configuration must reproduce."""
-        return (self.compute_method, self.eigen_outer_product, self.model, self.relative)
+        return (
+            self.compute_method,
+            self.eigen_outer_product,
+            self.model,
+            self.relative,
+            self.branch_skipped_on,
+        )
 
 
 def fractions(world_size: int) -> list[float]:
@@ -253,10 +273,14 @@ def train(config: Config, rank: int, world_size: int) -> list[torch.Tensor]:
         y = ys[step, rank * local : (rank + 1) * local]
         optimizer.zero_grad()
         if isinstance(model, Branchy):
-            model.use_branch = step not in BRANCH_SKIPPED or config.branch_skipped_on not in (
-                None,
-                rank,
-            )
+            skipped = step in BRANCH_SKIPPED
+            if world_size == 1 and config.branch_skipped_on is not None:
+                # One process: only the skipping rank's share of the batch skips.
+                share = GLOBAL_BATCH // PARTIAL_WORLD
+                first = config.branch_skipped_on * share
+                model.skip_rows = slice(first, first + share) if skipped else None
+            else:
+                model.use_branch = not skipped or config.branch_skipped_on not in (None, rank)
         for k in range(config.accumulation_steps):
             xb, yb = x[k * micro : (k + 1) * micro], y[k * micro : (k + 1) * micro]
             last = k == config.accumulation_steps - 1
@@ -293,6 +317,7 @@ def reference(config: Config) -> torch.Tensor:
         eigen_outer_product=config.eigen_outer_product,
         model=config.model,
         relative=config.relative,
+        branch_skipped_on=config.branch_skipped_on,
     )
     return torch.stack(train(plain, 0, 1))
 
@@ -340,12 +365,12 @@ def test_a_layer_that_only_some_ranks_use() -> None:
 
     Whether a rank called the layer must not decide which collectives it takes
     part in (the broadcasts and all-reduces would not pair up: a hang or a
-    gloo size mismatch). The run must finish with the same weights everywhere.
-    It is not compared with one process: kaisa averages that layer's batch
-    factors over all ranks, the skipping rank contributing zeros, whereas one
-    process would average over the rows that went through the layer.
+    gloo size mismatch). Every rank must end each step with the same weights,
+    and those must be one process's, in which the skipping rank's rows skip
+    the layer: the layer's factors are the mean over the rows that went
+    through it, not an average with zeros for the rank that skipped it.
     """
-    world_size = 4
+    world_size = PARTIAL_WORLD
     cases = [
         Config(
             f, method, model="branchy", ddp=ddp, update_factors_in_hook=hook, branch_skipped_on=1
@@ -356,9 +381,17 @@ def test_a_layer_that_only_some_ranks_use() -> None:
         if (method == "eigen") == (ddp == hook)  # half of the combinations
     ]
     results = run_distributed(_worker, world_size, [asdict(c) for c in cases], timeout=120)
+    with single_thread():
+        references = {c.reference_key(): reference(c) for c in cases}
     for i, config in enumerate(cases):
-        assert torch.isfinite(results[0][i]).all(), config
         for rank in range(1, world_size):
             assert torch.equal(results[rank][i], results[0][i]), (
                 f"{config}: rank {rank} holds different weights from rank 0"
             )
+        torch.testing.assert_close(
+            results[0][i],
+            references[config.reference_key()],
+            rtol=0.0,
+            atol=TOLERANCE,
+            msg=lambda m, config=config: f"{config}: {m}",
+        )

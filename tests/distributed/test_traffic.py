@@ -186,7 +186,7 @@ def test_traffic_and_memory_match_the_cost_model(world_size: int) -> None:
                 "inverse_broadcast": traffic.inverse_broadcast,
                 "grad_broadcast": traffic.grad_broadcast,
             }
-            total = dict.fromkeys([*KINDS, "layer_flags"], 0)
+            total = dict.fromkeys([*KINDS, "layer_flags", "factor_rows"], 0)
             for step in range(STEPS):
                 expected = {
                     "factor_allreduce": per_kind["factor_allreduce"]
@@ -196,8 +196,10 @@ def test_traffic_and_memory_match_the_cost_model(world_size: int) -> None:
                     if step % INV_UPDATE_STEPS == 0
                     else 0,
                     "grad_broadcast": per_kind["grad_broadcast"],
-                    # Outside the cost model: agreeing on which layers ran.
+                    # Outside the cost model: agreeing on which layers ran, and
+                    # each layer's two row counts with the factor all-reduce.
                     "layer_flags": len(plan.layers),
+                    "factor_rows": 2 * len(plan.layers) if step % FACTOR_UPDATE_STEPS == 0 else 0,
                 }
                 assert got["per_step"][step] == expected, f"{where}, rank {rank}, step {step}"
                 for kind in expected:
