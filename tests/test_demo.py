@@ -236,13 +236,54 @@ def test_stop_at_target_ends_at_the_first_hit(tiny: Path) -> None:
     assert stopped.first_reaching(0.3).test_accuracy == hit.test_accuracy  # type: ignore[union-attr]
 
 
+def test_lockstep_arms_compute_what_each_arm_computes_alone(tiny: Path) -> None:
+    """Taking turns step by step changes when steps run, not what they compute.
+
+    Both arms (SGD and SGD + K-FAC) trained in lockstep give bit for bit the
+    evaluation points (steps, accuracies, losses) of each arm trained alone,
+    including an arm that stops at the target while the other goes on.
+    """
+    import torch
+
+    from kaisa.demo.config import ArmConfig, DemoConfig, KfacConfig
+    from kaisa.demo.train import train_arm, train_arms_in_lockstep
+
+    torch.set_num_threads(1)
+    data = load_fashion_mnist(str(tiny))
+    sgd = ArmConfig("sgd", 0.05)
+    kfac = ArmConfig("kaisa", 0.05, kfac=KfacConfig(factor_update_steps=2, inv_update_steps=4))
+    config = DemoConfig(
+        data_dir=str(tiny), out_dir="", arms=(sgd, kfac), epochs=2, batch_size=32,
+        eval_every=3, target_accuracy=0.3, progress=False,
+    )  # fmt: skip
+
+    def points(run: object) -> list[tuple[int, float, float, float]]:
+        return [
+            (p.step, p.test_accuracy, p.test_loss, p.train_loss)
+            for p in run.points  # type: ignore[attr-defined]
+        ]
+
+    for stop in (False, True):
+        together = train_arms_in_lockstep(data, config, [sgd, kfac], 0, stop_at_target=stop)
+        alone = [train_arm(data, config, arm, 0, stop_at_target=stop) for arm in (sgd, kfac)]
+        assert [r.arm for r in together] == ["sgd", "kaisa"]
+        for t, a in zip(together, alone, strict=True):
+            assert t.steps == a.steps and len(t.points) > 1
+            assert points(t) == points(a), (t.arm, stop)
+            assert t.train_seconds > 0
+
+
 # --- the whole demo --------------------------------------------------------------------
 
 
 @pytest.mark.timeout(120)
-def test_demo_both_arms(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("sequential", [False, True], ids=["lockstep", "sequential"])
+def test_demo_both_arms(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], sequential: bool
+) -> None:
     out = tmp_path / "out"
-    code = main(["--data-dir", str(tiny), "--out", str(out), *TINY_ARGS])
+    extra = ["--sequential"] if sequential else []
+    code = main(["--data-dir", str(tiny), "--out", str(out), *TINY_ARGS, *extra])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "SGD + KAISA" in captured.out and "time to 30.0%" in captured.out
@@ -257,6 +298,7 @@ def test_demo_both_arms(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixtur
         == (arms["kaisa"]["hyperparameters"]["weight_decay"])
     )
     assert arms["kaisa"]["kfac_seconds_per_step"] > 0
+    assert results["shared"]["lockstep"] is not sequential  # type: ignore[index]
 
 
 @pytest.mark.timeout(120)

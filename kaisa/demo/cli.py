@@ -289,6 +289,13 @@ def _parser() -> _Parser:
         "--out",
         help="output directory (default: runs/demo-<timestamp>)",
     )
+    g.add_argument(
+        "--sequential",
+        action="store_true",
+        help="train the arms one after the other instead of in lockstep (one step of each "
+        "in turn, so that the machine's load falls on both alike); gives each arm its own "
+        "peak memory",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -362,6 +369,7 @@ def build_config(args: argparse.Namespace) -> DemoConfig:
         nproc=args.nproc,
         progress=not args.no_progress,
         quick=args.quick,
+        lockstep=not args.sequential,
     )
 
 

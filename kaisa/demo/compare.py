@@ -1,10 +1,14 @@
 """Run both arms over all seeds and summarise them as ``results.json`` holds them.
 
-Runs are interleaved by seed (``sgd`` seed 0, ``kaisa`` seed 0, ``sgd`` seed
-1, ...) so that a change in the machine's load during the comparison affects
-both arms alike. Summaries are medians over seeds; a seed that never reached
-the target counts as an infinite time, so the median time to target is
-``null`` when fewer than half the seeds reached it.
+For each seed the arms train in lockstep, one step of each in turn
+(:func:`~kaisa.demo.train.train_arms_in_lockstep`), so that a change in the
+machine's load during the comparison slows both arms alike; with
+``DemoConfig.lockstep`` off they run one after the other (``sgd`` seed 0,
+``kaisa`` seed 0, ``sgd`` seed 1, ...), each with the process to itself.
+
+Summaries are medians over seeds; a seed that never reached the target
+counts as an infinite time, so the median time to target is ``null`` when
+fewer than half the seeds reached it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 
 from kaisa.demo.config import DemoConfig
 from kaisa.demo.data import FashionMNIST
-from kaisa.demo.train import DistContext, RunResult, train_arm
+from kaisa.demo.train import DistContext, RunResult, train_arm, train_arms_in_lockstep
 
 __all__ = ["machine_info", "run_comparison", "summarize"]
 
@@ -32,6 +36,11 @@ def run_comparison(
     """Train every arm of ``config`` for every seed; the runs in the order made."""
     runs: list[RunResult] = []
     for seed in config.seeds:
+        if config.lockstep:
+            runs += train_arms_in_lockstep(
+                data, config, config.arms, seed, dist, progress=config.progress
+            )
+            continue
         for arm in config.arms:
             runs.append(train_arm(data, config, arm, seed, dist, progress=config.progress))
     return runs
@@ -169,6 +178,7 @@ def summarize(
             "data_dir": config.data_dir,
             "quick": config.quick,
             "channels_last": config.channels_last,
+            "lockstep": config.lockstep,
         },
         "machine": {
             "at_start": machine_before,

@@ -75,6 +75,10 @@ class DemoConfig:
     #: maths, GapCNN steps about 1.3x faster on the CPUs measured here
     #: (``benchmarks/memory_format.py``).
     channels_last: bool = True
+    #: Train the arms of a seed in lockstep, one step of each in turn, so that
+    #: the machine's load falls on both alike (peak memory is then shared);
+    #: ``False``: one arm after the other.
+    lockstep: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:

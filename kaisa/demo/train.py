@@ -7,6 +7,10 @@ between steps run with the clock stopped. The learning rate follows a linear
 warm-up and then a cosine decay to zero at the end of the epoch budget, per
 step, identically for both arms.
 
+:func:`train_arms_in_lockstep` trains several arms in one process taking
+turns step by step, so that whatever else the machine does at a given moment
+slows every arm alike; each arm's clock still counts its own steps only.
+
 Under ``torch.distributed`` (a ``--nproc`` run) every rank sees the same
 global batch order and trains on its own slice of each global batch, so the
 global batch size, and with it the optimisation problem, does not depend on
@@ -19,7 +23,7 @@ import math
 import resource
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +42,7 @@ __all__ = [
     "build_demo_model",
     "evaluate",
     "train_arm",
+    "train_arms_in_lockstep",
     "warmup_cosine",
 ]
 
@@ -312,7 +317,55 @@ def train_arm(
     evaluation that reaches the target (for sweeps that rank by time or steps
     to the target; the final accuracy is then that evaluation's).
     """
+    return train_arms_in_lockstep(data, config, [arm], seed, dist, progress, stop_at_target)[0]
+
+
+def train_arms_in_lockstep(
+    data: FashionMNIST,
+    config: DemoConfig,
+    arms: Sequence[ArmConfig],
+    seed: int,
+    dist: DistContext | None = None,
+    progress: bool = False,
+    stop_at_target: bool = False,
+) -> list[RunResult]:
+    """Train every arm as :func:`train_arm` would, one step of each in turn.
+
+    Each arm has its own model, optimizer, batch order and clock; taking turns
+    only changes *when* each step runs, so every arm computes exactly what it
+    computes alone, while a change in the machine's load during the run falls
+    on all arms alike instead of on whichever arm happened to be running. An
+    arm that finishes first leaves the others to go on alone. Peak memory is
+    the process's, so in a lockstep run every arm reports the same peak.
+    """
     dist = dist or DistContext()
+    runs = [
+        _arm_run(data, config, arm, seed, dist, progress, stop_at_target, position=i)
+        for i, arm in enumerate(arms)
+    ]
+    results: list[RunResult | None] = [None] * len(runs)
+    while any(r is None for r in results):
+        for i, run in enumerate(runs):
+            if results[i] is not None:
+                continue
+            try:
+                next(run)
+            except StopIteration as done:
+                results[i] = done.value
+    return [r for r in results if r is not None]
+
+
+def _arm_run(
+    data: FashionMNIST,
+    config: DemoConfig,
+    arm: ArmConfig,
+    seed: int,
+    dist: DistContext,
+    progress: bool,
+    stop_at_target: bool,
+    position: int = 0,
+) -> Generator[None, None, RunResult]:
+    """:func:`train_arm`'s work as a generator that pauses after every training step."""
     batch = config.batch_size
     if batch % dist.world:
         raise ValueError(f"batch size {batch} is not divisible by {dist.world} processes")
@@ -367,7 +420,8 @@ def train_arm(
     for epoch in range(config.epochs):
         perm = torch.randperm(n_train, generator=order)
         desc = f"{arm.name:>5} seed {seed} epoch {epoch + 1}/{config.epochs}"
-        bar = _EpochBar(steps_per_epoch, desc) if show else None
+        bar = _EpochBar(steps_per_epoch, desc, position) if show else None
+        epoch_clock = clock
         epoch_loss = 0.0
         for i in range(steps_per_epoch):
             t0 = time.perf_counter()
@@ -407,11 +461,12 @@ def train_arm(
                 next_eval = step + _eval_interval(config, last_acc, reached)
                 if reached and stop_at_target:
                     break
+            yield
         if bar is not None:
             final = "diverged" if result.diverged else f"loss {epoch_loss / steps_per_epoch:.3f}"
             if last_acc is not None:
                 final += f" test acc {last_acc:.4f}"
-            bar.close(final)
+            bar.close(final, clock - epoch_clock)
         if result.diverged or (reached and stop_at_target):
             break
     if result.diverged and (not result.points or result.points[-1].step != step):
@@ -437,11 +492,10 @@ def train_arm(
 class _EpochBar:
     """Progress of one epoch: a tqdm bar on a terminal, one summary line otherwise."""
 
-    def __init__(self, total: int, desc: str) -> None:
+    def __init__(self, total: int, desc: str, position: int = 0) -> None:
         self._desc = desc
         self._post = ""
         self._bar: Any = None
-        self._start = time.perf_counter()
         if sys.stdout.isatty():
             try:
                 from tqdm import tqdm
@@ -450,6 +504,7 @@ class _EpochBar:
             self._bar = tqdm(
                 total=total,
                 desc=desc,
+                position=position,
                 unit="step",
                 leave=True,
                 dynamic_ncols=True,
@@ -463,12 +518,11 @@ class _EpochBar:
             self._bar.set_postfix_str(postfix, refresh=False)
             self._bar.update(1)
 
-    def close(self, postfix: str | None = None) -> None:
-        if postfix is not None:
-            self._post = postfix
+    def close(self, postfix: str, train_seconds: float) -> None:
+        """End the epoch; ``train_seconds`` is the arm's training clock over it."""
+        self._post = postfix
         if self._bar is not None:
             self._bar.set_postfix_str(self._post, refresh=True)
             self._bar.close()
         else:
-            elapsed = time.perf_counter() - self._start
-            print(f"{self._desc}: {self._post} ({elapsed:.1f} s)", flush=True)
+            print(f"{self._desc}: {self._post} (training {train_seconds:.1f} s)", flush=True)
