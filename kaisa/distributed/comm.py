@@ -236,7 +236,9 @@ class Communicator:
         rank's batch factors are weighted by its row counts, so a layer that
         some ranks did not call (a data-dependent branch) is averaged over the
         rows of the ranks that did, as one process would; one captured on no
-        rank comes back as zeros (the caller skips it). Clears the buckets.
+        rank comes back as zeros (the caller skips it). With equal row counts
+        on every rank this is spec §5's plain average over the ranks. Clears
+        the buckets.
         """
         result: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if not self.distributed:
