@@ -128,7 +128,7 @@ class Branchy(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.tanh(self.conv(x)).flatten(1)
         if self.skip_rows is not None:
-            keep = torch.ones(x.shape[0], dtype=torch.bool)
+            keep = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
             keep[self.skip_rows] = False
             out = x.clone()
             out[keep] = torch.tanh(self.branch(x[keep]))
