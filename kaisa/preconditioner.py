@@ -331,8 +331,12 @@ class KFACPreconditioner:
                 ):
                     self._submit(layer)
 
-    def _batch_factors(self, layer: _Layer) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
-        """``A_batch``, ``G_batch`` and their row counts, or ``None`` without captures."""
+    def _factor_sums(self, layer: _Layer) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+        """This step's ``āᵀā`` and ``δᵀδ`` sums and their row counts, ``None`` without captures.
+
+        The communicator divides the sums by the rows (over all ranks) into
+        ``A_batch`` and ``G_batch``.
+        """
         handler = layer.handler
         with self.telemetry.timer("factor_products"):
             for x in layer.inputs:
@@ -350,12 +354,12 @@ class KFACPreconditioner:
         g_scale = float(self.world_size) ** 2
         if self._step_scale is not None:
             g_scale *= self._step_scale**2
-        a_batch = layer.a_acc.div_(layer.a_rows)
-        g_batch = layer.g_acc.div_(layer.g_rows * g_scale)
-        return a_batch, g_batch, layer.a_rows, layer.g_rows
+        if g_scale != 1.0:
+            layer.g_acc.div_(g_scale)
+        return layer.a_acc, layer.g_acc, layer.a_rows, layer.g_rows
 
     def _submit(self, layer: _Layer) -> None:
-        batch = self._batch_factors(layer)
+        batch = self._factor_sums(layer)
         layer.submitted = True
         if batch is not None:
             self.comm.submit_factors(layer.name, *batch)

@@ -168,20 +168,20 @@ class Communicator:
     def submit_factors(
         self,
         name: str,
-        a_batch: torch.Tensor,
-        g_batch: torch.Tensor,
-        a_rows: float = 1.0,
-        g_rows: float = 1.0,
+        a_sum: torch.Tensor,
+        g_sum: torch.Tensor,
+        a_rows: float,
+        g_rows: float,
     ) -> None:
-        """Hand over one layer's final batch factors for this step.
+        """Hand over one layer's factor sums for this step and the rows they sum over.
 
-        ``a_rows`` and ``g_rows`` are the rows the batch factors average over on
-        this rank: :meth:`reduced_factors` weights each rank's factors by them,
-        so the result is the mean over every row that went through the layer on
-        any rank (a rank whose forward pass skipped the layer adds nothing).
-        The layer's bucket is all-reduced (asynchronously) as soon as all of its
-        layers and all earlier buckets are in; :meth:`reduced_factors` sends
-        whatever is left.
+        :meth:`reduced_factors` divides the sums over all ranks by the rows
+        over all ranks, so the batch factors are the mean over every row that
+        went through the layer on any rank (a rank whose forward pass skipped
+        the layer adds nothing). The sums are divided in place. The layer's
+        bucket is all-reduced (asynchronously) as soon as all of its layers
+        and all earlier buckets are in; :meth:`reduced_factors` sends whatever
+        is left.
         """
         bucket = self._bucket_of[name]
         if bucket.work is not None or name in bucket.ready:
@@ -190,7 +190,7 @@ class Communicator:
                 "step; the number of forward/backward passes per step must equal "
                 "accumulation_steps"
             )
-        bucket.ready[name] = (a_batch, g_batch, float(a_rows), float(g_rows))
+        bucket.ready[name] = (a_sum, g_sum, float(a_rows), float(g_rows))
         if self.distributed:
             for queued in self._buckets:  # in bucket order, up to the first incomplete one
                 if queued.work is None:
@@ -199,9 +199,8 @@ class Communicator:
                     self._launch(queued)
 
     def _launch(self, bucket: _Bucket) -> None:
-        # Each layer's factors go out multiplied by this rank's row counts, and
-        # the counts themselves follow at the end of the buffer: the sum over
-        # ranks then divides into the mean over all rows (see _unpack).
+        # The factor sums, then their row counts at the end of the buffer: the
+        # sums over ranks divide into the mean over all rows (see _unpack).
         pieces: list[torch.Tensor] = []
         rows: list[float] = []
         for name in bucket.names:
@@ -217,10 +216,6 @@ class Communicator:
                 rows.append(count)
         pieces.append(torch.tensor(rows, device=self.device, dtype=pieces[0].dtype))
         buffer = torch.cat(pieces)
-        offset = 0
-        for piece, count in zip(pieces[:-1], rows, strict=True):
-            buffer[offset : offset + piece.numel()].mul_(count)
-            offset += piece.numel()
         with self.telemetry.timer("factor_allreduce"):
             bucket.work = dist.all_reduce(buffer, group=self.allreduce_group, async_op=True)
         bucket.buffer = buffer
@@ -228,22 +223,22 @@ class Communicator:
         self.telemetry.count("factor_rows", buffer[-len(rows) :])
 
     def reduced_factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Batch factors averaged over all ranks.
+        """Batch factors: the submitted sums divided by their rows, over all ranks.
 
         With one rank: the layers captured this step. With several: waits for
         the launched buckets and launches the rest, in the same order on every
-        rank, so that every bucket is reduced on every factor-update step. Each
-        rank's batch factors are weighted by its row counts, so a layer that
-        some ranks did not call (a data-dependent branch) is averaged over the
-        rows of the ranks that did, as one process would; one captured on no
-        rank comes back as zeros (the caller skips it). With equal row counts
-        on every rank this is spec §5's plain average over the ranks. Clears
-        the buckets.
+        rank, so that every bucket is reduced on every factor-update step. As
+        sums and rows add up over ranks, a layer that some ranks did not call
+        (a data-dependent branch) is averaged over the rows of the ranks that
+        did, as one process would; one captured on no rank comes back as zeros
+        (the caller skips it). With equal row counts on every rank this is
+        spec §5's plain average of the ranks' batch factors. Clears the buckets.
         """
         result: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if not self.distributed:
             for bucket in self._buckets:
-                result.update({name: (a, g) for name, (a, g, _, _) in bucket.ready.items()})
+                for name, (a, g, a_rows, g_rows) in bucket.ready.items():
+                    result[name] = (a.div_(a_rows), g.div_(g_rows))
                 bucket.ready = {}
             return result
         for bucket in self._buckets:
