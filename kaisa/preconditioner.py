@@ -10,6 +10,7 @@ per layer (:mod:`kaisa.curvature`), and places work and traffic according to a
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -25,6 +26,11 @@ from kaisa.distributed.plan import LayerShape, WorkPlan, make_plan
 from kaisa.layers import LayerHandler, find_layers
 from kaisa.options import KFACOptions
 from kaisa.telemetry import Telemetry
+
+
+def _sum_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """Accumulate a finiteness-check sum in at least float32 (never in half precision)."""
+    return torch.promote_types(tensor.dtype, torch.float32)
 
 
 @dataclass
@@ -404,31 +410,34 @@ class KFACPreconditioner:
         if not reduced:
             return
         names = [name for name in (layer.name for layer in self.layers) if name in reduced]
-        # One host sync for all checks: finite factors, finite gradients (an AMP
-        # overflow must not reach the running averages), and captured anywhere.
-        checks = []
-        for name in names:
-            a, g = reduced[name]
-            checks.append(torch.stack([a.isfinite().all() & g.isfinite().all(), a.any()]))
         grads = [
             p.grad
             for layer in self.layers
             for p in layer.handler.parameters()
             if p.grad is not None
         ]
-        grads_finite = (
-            torch.stack([g.isfinite().all() for g in grads]).all()
-            if grads
-            else torch.tensor(True, device=self.device)
+        # One host sync for all checks: finite factors, finite gradients (an AMP
+        # overflow must not reach the running averages), and captured anywhere.
+        # A tensor whose sum is finite has only finite entries (NaN and ±inf
+        # propagate), so one reduction per tensor decides; a non-finite sum is
+        # re-checked entry by entry, as large finite entries can overflow it.
+        # The factors are sums of ``xᵀx``: zero (captured nowhere) iff the trace is.
+        tensors = [t for name in names for t in reduced[name]] + grads
+        summed = [t.sum(dtype=_sum_dtype(t)) for t in tensors]
+        summed += [reduced[name][0].diagonal().sum(dtype=torch.float64) for name in names]
+        values = torch.stack([v.to(torch.float64) for v in summed]).tolist()
+        sum_values, traces = values[: len(tensors)], values[len(tensors) :]
+        finite = all(
+            math.isfinite(value) or bool(t.isfinite().all())
+            for value, t in zip(sum_values, tensors, strict=True)
         )
-        flags = torch.stack(checks).tolist()
-        if not bool(grads_finite) or not all(finite for finite, _ in flags):
+        if not finite:
             self.telemetry.skipped_factor_updates += 1
             return
         decay = self.options.hyper["factor_decay"].at(self._steps)
         by_name = {layer.name: layer for layer in self.layers}
-        for name, (_, captured) in zip(names, flags, strict=True):
-            if captured:
+        for name, trace in zip(names, traces, strict=True):
+            if trace != 0.0:
                 by_name[name].block.fold(*reduced[name], decay)
 
     def _update_second_order(self) -> None:

@@ -206,6 +206,19 @@ def test_overflow_step_does_not_reach_factors() -> None:
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_large_finite_factors_are_not_mistaken_for_overflow() -> None:
+    """Finite factors whose float32 sum overflows are still folded in."""
+    model = nn.Sequential(nn.Linear(8, 3))
+    pre = kaisa.KFACPreconditioner(model, factor_decay=0.0)
+    x = torch.full((4, 8), 4e18)
+    F.cross_entropy(model(x), torch.zeros(4, dtype=torch.long)).backward()
+    pre.step()
+    a = pre.layers[0].block.a
+    assert torch.isfinite(a).all() and not torch.isfinite(a.sum())
+    assert pre.telemetry.skipped_factor_updates == 0
+    torch.testing.assert_close(a[0, 0], torch.tensor(1.6e37), rtol=1e-5, atol=0.0)
+
+
 def test_nan_input_leaves_factors_and_state_intact() -> None:
     model = Net().double()
     pre = kaisa.KFACPreconditioner(model, inv_dtype=D)

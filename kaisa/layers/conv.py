@@ -149,7 +149,9 @@ class Conv2dHandler(LayerHandler):
         small matrix products that read the input once, for any stride and
         dilation. Zero padding contributes nothing, so it is folded into the
         selection matrices instead of being copied; other padding modes pad
-        first. The patch matrix itself is never built.
+        first. The patch matrix itself is never built. A channels-last input
+        is summed in its own memory order (batched products per sample), so
+        it is never copied into the contiguous layout.
         """
         conv = self.module
         kh, kw = _pair(conv.kernel_size)
@@ -164,11 +166,20 @@ class Conv2dHandler(LayerHandler):
         w_out = (w + left + right - dw * (kw - 1) - 1) // sw + 1
         rows = _selection(h, top, kh, dh, sh, h_out, x)  # (kh, h)
         cols = _selection(w, left, kw, dw, sw, w_out, x)  # (kw, w)
+        positions = h_out * w_out
+        if not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+            # Channels-last input, read in its own (n, h, w, c) order: reshaping
+            # it as below would first copy it, which costs more than the products.
+            # Sum over h per sample, then over w per (sample, ky), channels last.
+            nhwc = x.permute(0, 2, 3, 1)
+            by_row = torch.matmul(rows, nhwc.reshape(n, h, w * c))  # (n, kh, w·c)
+            sums = torch.matmul(cols, by_row.reshape(n * kh, w, c))  # (n·kh, kw, c)
+            means = sums.reshape(n, kh, kw, c).permute(0, 3, 1, 2).reshape(n, c * kh * kw)
+            return means.div_(positions), positions
         # Both products keep the long (n·c·h) dimension last: a skinny product
         # with the (w, kw) matrix on the right runs several times slower on CPU.
         by_column = cols @ x.reshape(n * c * h, w).t()  # (kw, n·c·h)
         sums = rows @ by_column.reshape(kw * n * c, h).t()  # (kh, kw·n·c)
-        positions = h_out * w_out
         means = sums.reshape(kh, kw, n, c).permute(2, 3, 0, 1).reshape(n, c * kh * kw)
         return means.div_(positions), positions
 

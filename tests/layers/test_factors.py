@@ -200,11 +200,15 @@ def test_conv2d_reduce_estimator(case: dict[str, object]) -> None:
 
 @pytest.mark.parametrize(
     "case",
-    [dict(kernel_size=2, stride=3, padding=1), dict(kernel_size=3, stride=2, dilation=2)],
-    ids=["k2-s3-p1", "k3-s2-d2"],
+    [
+        dict(kernel_size=2, stride=3, padding=1),
+        dict(kernel_size=3, stride=2, dilation=2),
+        *CONV_CASES,
+    ],
+    ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()),
 )
 def test_patch_means_equal_naive_patch_means(case: dict[str, object]) -> None:
-    """Position means of the patches, for uneven strides and a channels-last input."""
+    """Position means of the patches, contiguous and channels-last (its own code path)."""
     from kaisa.layers.conv import Conv2dHandler
 
     conv = nn.Conv2d(3, 2, **case).double()  # type: ignore[arg-type]
@@ -214,7 +218,9 @@ def test_patch_means_equal_naive_patch_means(case: dict[str, object]) -> None:
     positions = h_out * w_out
     expected = patches.reshape(4, positions, -1).mean(1)
     handler = Conv2dHandler(conv, estimator="reduce")
-    for inp in (x, x.to(memory_format=torch.channels_last)):
+    channels_last = x.to(memory_format=torch.channels_last)
+    assert not channels_last.is_contiguous()
+    for inp in (x, channels_last):
         means, t = handler.patch_means(inp)
         assert t == positions
         torch.testing.assert_close(means, expected, rtol=1e-12, atol=1e-14)
