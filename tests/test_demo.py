@@ -11,6 +11,7 @@ import csv
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -299,6 +300,64 @@ def test_demo_both_arms(
     )
     assert arms["kaisa"]["kfac_seconds_per_step"] > 0
     assert results["shared"]["lockstep"] is not sequential  # type: ignore[index]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("columns", [120, 0], ids=["sized", "unsized"])
+def test_demo_progress_on_a_terminal(tiny: Path, tmp_path: Path, columns: int) -> None:
+    """On a terminal each arm of a seed has its own tqdm bar, the two in lockstep.
+
+    A pseudo-terminal that reports no width gets the one-line epoch summaries
+    instead (tqdm would draw nothing there).
+    """
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    out = tmp_path / "out"
+    args = [a for a in TINY_ARGS if a != "--no-progress"]
+    args[args.index("--seeds") + 1] = "0"
+    cmd = [sys.executable, "-m", "kaisa.cli", "demo", "--data-dir", str(tiny), "--out", str(out)]
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    proc = subprocess.Popen(
+        [*cmd, *args], stdout=slave, stderr=subprocess.PIPE, env=_env(), cwd=tmp_path
+    )
+    os.close(slave)
+    chunks = []
+    try:
+        while True:
+            ready, _, _ = select.select([master], [], [], 90)
+            if not ready:
+                break
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the terminal closes (EIO) when the demo exits
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        code = proc.wait(timeout=30)
+        err = proc.stderr.read().decode() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    screen = b"".join(chunks).decode(errors="replace")
+    assert code == 0, err + screen
+    assert "Traceback" not in err
+    for arm in ("sgd", "kaisa"):
+        for epoch in (1, 2):
+            assert f"{arm} seed 0 epoch {epoch}/2" in screen, screen
+    bars = re.search(r"\| \d+/\d+ \[", screen) is not None  # tqdm's "| 8/8 [00:01<..."
+    summaries = screen.count("(training ")  # one line per arm and epoch
+    if columns:
+        assert bars and summaries == 0, screen
+    else:
+        assert not bars and summaries == 4, screen
+    _check_outputs(out)
 
 
 @pytest.mark.timeout(120)

@@ -20,6 +20,7 @@ the number of processes. Evaluation is split across ranks the same way.
 from __future__ import annotations
 
 import math
+import os
 import resource
 import sys
 import time
@@ -489,14 +490,29 @@ def _arm_run(
     return result
 
 
+def _terminal_columns() -> int:
+    """Width of the terminal on stdout; 0 when it is none or reports no size."""
+    try:
+        if not sys.stdout.isatty():
+            return 0
+        return os.get_terminal_size(sys.stdout.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return 0
+
+
 class _EpochBar:
-    """Progress of one epoch: a tqdm bar on a terminal, one summary line otherwise."""
+    """Progress of one epoch: a tqdm bar on a terminal, one summary line otherwise.
+
+    A terminal that reports zero columns (a pseudo-terminal nobody sized, as
+    some CI runners and ``script`` without a terminal give) gets the summary
+    lines: tqdm would draw its bars zero characters wide, that is not at all.
+    """
 
     def __init__(self, total: int, desc: str, position: int = 0) -> None:
         self._desc = desc
         self._post = ""
         self._bar: Any = None
-        if sys.stdout.isatty():
+        if _terminal_columns() > 0:
             try:
                 from tqdm import tqdm
             except ImportError:  # pragma: no cover - tqdm comes with the demo extra
