@@ -424,8 +424,12 @@ class KFACPreconditioner:
         # The factors are sums of ``xᵀx``: zero (captured nowhere) iff the trace is.
         tensors = [t for name in names for t in reduced[name]] + grads
         summed = [t.sum(dtype=_sum_dtype(t)) for t in tensors]
-        summed += [reduced[name][0].diagonal().sum(dtype=torch.float64) for name in names]
-        values = torch.stack([v.to(torch.float64) for v in summed]).tolist()
+        summed += [
+            reduced[name][0].diagonal().sum(dtype=_sum_dtype(reduced[name][0])) for name in names
+        ]
+        # float64 only when some tensor already is (not every device has it).
+        common = functools.reduce(torch.promote_types, (v.dtype for v in summed))
+        values = torch.stack([v.to(common) for v in summed]).tolist()
         sum_values, traces = values[: len(tensors)], values[len(tensors) :]
         finite = all(
             math.isfinite(value) or bool(t.isfinite().all())

@@ -219,6 +219,17 @@ def test_large_finite_factors_are_not_mistaken_for_overflow() -> None:
     torch.testing.assert_close(a[0, 0], torch.tensor(1.6e37), rtol=1e-5, atol=0.0)
 
 
+def test_layer_with_all_zero_inputs_is_not_folded() -> None:
+    """A zero ``A`` (its trace is 0) means nothing was captured: factors stay as they were."""
+    model = nn.Sequential(nn.Linear(4, 3, bias=False))
+    pre = kaisa.KFACPreconditioner(model, factor_decay=0.0)
+    F.cross_entropy(model(torch.zeros(5, 4)), torch.zeros(5, dtype=torch.long)).backward()
+    pre.step()
+    block = pre.layers[0].block
+    assert block.updates == 0
+    assert torch.equal(block.a, torch.eye(4)) and torch.equal(block.g, torch.eye(3))
+
+
 def test_nan_input_leaves_factors_and_state_intact() -> None:
     model = Net().double()
     pre = kaisa.KFACPreconditioner(model, inv_dtype=D)
