@@ -21,16 +21,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from kaisa.curvature import KroneckerBlock, kl_clip_scale
+from kaisa.curvature.linalg import compute_dtype
 from kaisa.distributed.comm import Communicator, default_world
 from kaisa.distributed.plan import LayerShape, WorkPlan, make_plan
 from kaisa.layers import LayerHandler, find_layers
 from kaisa.options import KFACOptions
 from kaisa.telemetry import Telemetry
-
-
-def _sum_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """Accumulate a finiteness-check sum in at least float32 (never in half precision)."""
-    return torch.promote_types(tensor.dtype, torch.float32)
 
 
 @dataclass
@@ -423,9 +419,11 @@ class KFACPreconditioner:
         # re-checked entry by entry, as large finite entries can overflow it.
         # The factors are sums of ``xᵀx``: zero (captured nowhere) iff the trace is.
         tensors = [t for name in names for t in reduced[name]] + grads
-        summed = [t.sum(dtype=_sum_dtype(t)) for t in tensors]
+        # Sums accumulate in at least float32 (never in half precision).
+        summed = [t.sum(dtype=compute_dtype(t.dtype)) for t in tensors]
         summed += [
-            reduced[name][0].diagonal().sum(dtype=_sum_dtype(reduced[name][0])) for name in names
+            reduced[name][0].diagonal().sum(dtype=compute_dtype(reduced[name][0].dtype))
+            for name in names
         ]
         # float64 only when some tensor already is (not every device has it).
         common = functools.reduce(torch.promote_types, (v.dtype for v in summed))
