@@ -281,3 +281,82 @@ def test_conv_sums_match_row_major_products(
     torch.testing.assert_close(g_twice, 2 * g_sum, rtol=1e-12, atol=1e-12)
     a_twice, _ = handler.a_sum(x, a_sum.clone())
     torch.testing.assert_close(a_twice, 2 * a_sum, rtol=1e-12, atol=1e-12)
+
+
+SHIFTED_CASES = [
+    dict(kernel_size=3, padding=1),
+    dict(kernel_size=3, padding=1, bias=False),
+    dict(kernel_size=5, padding=2),
+    dict(kernel_size=(4, 2), padding="same"),  # asymmetric padding
+    dict(kernel_size=3, padding="same", dilation=2),
+    dict(kernel_size=(3, 5), padding=(0, 1), dilation=(2, 1)),
+    dict(kernel_size=3, padding="valid", bias=False),
+    dict(kernel_size=(1, 3), padding=(0, 3)),  # padding wider than the kernel reaches
+    dict(kernel_size=2, padding=0),
+]
+
+
+def _valid_sizes(case: dict[str, object]) -> list[tuple[int, int]]:
+    """The test's input sizes that the convolution accepts (a non-empty output)."""
+    conv = nn.Conv2d(1, 1, **case)  # type: ignore[arg-type]
+    sizes = []
+    for size in [(7, 6), (2, 3), (1, 1)]:
+        try:
+            conv(torch.zeros(1, 1, *size))
+        except RuntimeError:
+            continue
+        sizes.append(size)
+    return sizes
+
+
+@pytest.mark.parametrize(
+    ("case", "size"),
+    [(case, size) for case in SHIFTED_CASES for size in _valid_sizes(case)],
+    ids=lambda v: (
+        ",".join(f"{k}={w}" for k, w in v.items()) if isinstance(v, dict) else f"{v[0]}x{v[1]}"
+    ),
+)
+def test_shifted_expand_sum_equals_patch_matrix_product(
+    case: dict[str, object], size: tuple[int, int]
+) -> None:
+    """'expand' from shifted products against the naive patch matrix, in every layout.
+
+    Small images (1x1, 2x3) leave some pairs of kernel offsets without a
+    common position; a one-sample slice budget forces the sample slices.
+    """
+    from kaisa.layers.conv import Conv2dHandler
+
+    conv = nn.Conv2d(3, 2, **case).double()  # type: ignore[arg-type]
+    x = torch.randn(4, 3, *size, dtype=torch.float64)
+    h_out, w_out = conv(x).shape[-2:]
+    positions = h_out * w_out
+    patches = naive_patches(conv, x)
+    if conv.bias is not None:
+        patches = torch.cat([patches, torch.ones(patches.shape[0], 1, dtype=torch.float64)], 1)
+    expected = patches.T @ patches / positions**2
+    for max_shift_bytes in (1, 2**20):
+        handler = Conv2dHandler(conv, max_shift_bytes=max_shift_bytes)
+        for inp in (x, x.contiguous(memory_format=torch.channels_last)):
+            got, rows = handler.shifted_sum(inp)
+            assert rows == 4 * positions
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+            # a_sum takes this path, and adds into an existing sum.
+            twice, _ = handler.a_sum(inp, got.clone())
+            torch.testing.assert_close(twice, 2 * expected, rtol=1e-12, atol=1e-12)
+
+
+def test_shifted_sum_rejects_the_convolutions_it_does_not_cover() -> None:
+    from kaisa.layers.conv import Conv2dHandler
+
+    for conv in (
+        nn.Conv2d(2, 3, 3, stride=2, padding=1),
+        nn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect"),
+        nn.Conv2d(2, 3, 1),
+    ):
+        handler = Conv2dHandler(conv)
+        with pytest.raises(ValueError, match="shifted_sum needs stride 1"):
+            handler.shifted_sum(torch.randn(2, 2, 5, 5))
+        # a_sum takes the patch matrix instead.
+        torch.testing.assert_close(
+            handler.a_sum(torch.ones(2, 2, 5, 5))[0], handler.patch_sum(torch.ones(2, 2, 5, 5))[0]
+        )
