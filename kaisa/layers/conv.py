@@ -132,7 +132,8 @@ class _ShiftPlan:
     rows and columns; ``S(d)`` and the strips are shared by all blocks with
     the same ``d``, and ``S(-d) = S(d)ᵀ`` fills the lower blocks. A 3×3 kernel
     then needs 13 products of ``C_in`` columns instead of one product of
-    ``9·C_in`` columns (81 blocks), plus a few strips one row or column wide.
+    ``9·C_in`` columns (81 blocks), plus border strips (one row or column
+    wide for a 3×3 kernel with padding 1).
 
     ``terms`` lists the distinct products ``(dr, dc, r0, r1, c0, c1)``: the
     sum of ``x[r, c] x[r + dr, c + dc]ᵀ`` over rows ``[r0, r1)`` and columns
