@@ -339,6 +339,7 @@ def test_shifted_expand_sum_equals_patch_matrix_product(
         for inp in (x, x.contiguous(memory_format=torch.channels_last)):
             got, rows = handler.shifted_sum(inp)
             assert rows == 4 * positions
+            assert torch.equal(got, got.T)  # the lower blocks are the upper ones transposed
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
             # a_sum takes this path, and adds into an existing sum.
             twice, _ = handler.a_sum(inp, got.clone())
