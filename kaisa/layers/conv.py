@@ -137,8 +137,8 @@ class _ShiftPlan:
 
     ``terms`` lists the distinct products ``(dr, dc, r0, r1, c0, c1)``: the
     sum of ``x[r, c] x[r + dr, c + dc]ᵀ`` over rows ``[r0, r1)`` and columns
-    ``[c0, c1)``; ``coefficients[k·K + j, t]`` (±1 or 0) combines the products
-    (``t < T``) and their transposes (``T + t``) into block ``(k, j)``.
+    ``[c0, c1)``; ``coefficients[b, t]`` (±1 or 0) combines them into the
+    upper block ``b`` (``upper[b] = (k, j)``, ``k <= j``).
     """
 
     def __init__(
@@ -157,6 +157,10 @@ class _ShiftPlan:
         offsets = [(a * dh - top, b * dw - left) for a in range(kh) for b in range(kw)]
         self.offsets = offsets
         self.upper = [(k, j) for k in range(len(offsets)) for j in range(k, len(offsets))]
+        self.upper_index = (
+            torch.tensor([k for k, _ in self.upper]),
+            torch.tensor([j for _, j in self.upper]),
+        )
         self.positions = h_out * w_out
         index: dict[tuple[int, ...], int] = {}
         entries: list[tuple[int, int, int]] = []  # (block, term, sign)
@@ -172,27 +176,29 @@ class _ShiftPlan:
                     t = index.setdefault(term, len(index))
                     entries.append((b, t, row_sign * col_sign))
         self.terms = list(index)
-        # Every block (k, j) of the K x K grid from the products and their
-        # transposes (columns T + t): the lower block (j, k) is (k, j)ᵀ.
-        n_off, n_terms = len(offsets), len(self.terms)
-        coefficients = torch.zeros(n_off * n_off, max(1, 2 * n_terms))
+        coefficients = torch.zeros(len(self.upper), max(1, len(self.terms)))
         for b, t, sign in entries:
-            k, j = self.upper[b]
-            coefficients[k * n_off + j, t] += sign
-            if j != k:
-                coefficients[j * n_off + k, n_terms + t] += sign
+            coefficients[b, t] += sign
         self.coefficients = coefficients
         # Zero guard bands around every sample wide enough that a displacement
         # from a real position never wraps onto another real position of the
         # flattened (sample, row, column) order.
         self.guard = (-(-dh * (kh - 1) // 2), -(-dw * (kw - 1) // 2))
         self.max_shift = dh * (kh - 1) * (w + 2 * self.guard[1]) + dw * (kw - 1)
-        self._on: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._on: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
 
-    def coefficients_on(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    def _on_device(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """:attr:`coefficients` in ``dtype`` and the upper blocks' indices, on ``device``."""
         key = (device, dtype)
         if key not in self._on:
-            self._on[key] = self.coefficients.to(device=device, dtype=dtype)
+            rows, cols = (i.to(device) for i in self.upper_index)
+            strict = rows != cols
+            self._on[key] = (
+                self.coefficients.to(device=device, dtype=dtype),
+                rows,
+                cols,
+                strict,
+            )
         return self._on[key]
 
     def gram(self, x: torch.Tensor, dtype: torch.dtype, max_bytes: int) -> torch.Tensor:
@@ -249,11 +255,14 @@ class _ShiftPlan:
     ) -> torch.Tensor:
         """The blocks from the summed products, in the patch columns' order."""
         k = len(self.offsets)
-        if not products:
-            return like.new_zeros(c * k, c * k, dtype=dtype)
-        stacked = torch.stack(products)
-        both = torch.cat([stacked, stacked.transpose(1, 2)]).reshape(-1, c * c)
-        full = (self.coefficients_on(like.device, dtype) @ both).reshape(k, k, c, c)
+        full = like.new_zeros(k, k, c, c, dtype=dtype)
+        if products:
+            coefficients, rows, cols, strict = self._on_device(like.device, dtype)
+            stacked = torch.stack(products).reshape(len(products), c * c)
+            blocks = (coefficients @ stacked).reshape(-1, c, c)
+            full[rows, cols] = blocks
+            # The lower blocks are the upper ones transposed (bit for bit).
+            full[cols[strict], rows[strict]] = blocks[strict].transpose(1, 2)
         # Blocks (k, j) of (C_in, C_in) to the patch columns' (channel, ky, kx) order.
         return full.permute(2, 0, 3, 1).reshape(c * k, c * k)
 

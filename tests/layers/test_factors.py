@@ -339,7 +339,12 @@ def test_shifted_expand_sum_equals_patch_matrix_product(
         for inp in (x, x.contiguous(memory_format=torch.channels_last)):
             got, rows = handler.shifted_sum(inp)
             assert rows == 4 * positions
-            assert torch.equal(got, got.T)  # the lower blocks are the upper ones transposed
+            # Each lower block is its upper block transposed, bit for bit.
+            k = conv.kernel_size[0] * conv.kernel_size[1]
+            blocks = got[: 3 * k, : 3 * k].reshape(3, k, 3, k)
+            for i in range(k):
+                for j in range(i + 1, k):
+                    assert torch.equal(blocks[:, j, :, i], blocks[:, i, :, j].T)
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
             # a_sum takes this path, and adds into an existing sum.
             twice, _ = handler.a_sum(inp, got.clone())
