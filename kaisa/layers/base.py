@@ -98,7 +98,8 @@ class LayerHandler(ABC):
         return f"{type(self).__name__}({self.module!r}, a_size={self.a_size}, g_size={self.g_size})"
 
 
-def _accumulator_dtype(rows: torch.Tensor) -> torch.dtype:
+def accumulator_dtype(rows: torch.Tensor) -> torch.dtype:
+    """The dtype factor sums of ``rows`` accumulate in: at least float32."""
     return torch.promote_types(rows.dtype, torch.float32)
 
 
@@ -109,7 +110,7 @@ def gram(rows: torch.Tensor, out: torch.Tensor | None, scale: float = 1.0) -> to
     matrix units); the result is accumulated in at least float32.
     """
     if out is None:
-        product = torch.mm(rows.t(), rows).to(_accumulator_dtype(rows))
+        product = torch.mm(rows.t(), rows).to(accumulator_dtype(rows))
         return product if scale == 1.0 else product.mul_(scale)
     if out.dtype == rows.dtype:
         return out.addmm_(rows.t(), rows, alpha=scale)
@@ -126,7 +127,7 @@ def gram_with_ones(
     """
     d = rows.shape[1]
     if out is None:
-        out = rows.new_zeros(d + 1, d + 1, dtype=_accumulator_dtype(rows))
+        out = rows.new_zeros(d + 1, d + 1, dtype=accumulator_dtype(rows))
     gram(rows, out[:d, :d], scale)
     col_sum = rows.sum(dim=0, dtype=out.dtype)
     out[:d, d].add_(col_sum, alpha=scale)

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kaisa.layers.base import LayerHandler, _accumulator_dtype, gram, gram_with_ones
+from kaisa.layers.base import LayerHandler, accumulator_dtype, gram, gram_with_ones
 
 ConvEstimator = Literal["expand", "reduce"]
 
@@ -441,7 +441,7 @@ class Conv2dHandler(LayerHandler):
         if x.dim() == 3:
             x = x.unsqueeze(0)
         plan = self._plan(x)
-        dtype = _accumulator_dtype(x)
+        dtype = accumulator_dtype(x)
         scale = 1.0 / plan.positions**2
         ptp = plan.gram(x, dtype, self.max_shift_bytes)
         d = ptp.shape[0]
