@@ -7,7 +7,9 @@ run here on the inputs of GapCNN's six convolutions (batch 128, 28x28 images,
 channels_last as the demo trains), interleaved with the cheaper 'reduce'
 estimator for scale, and the median over repeats of the time for all six is
 reported per method: the ``A`` sums, the ``G`` sums of the same estimator
-(equal for both 'expand' methods), and their total, with the machine's load.
+(equal for all 'expand' rows), and their total, with the machine's load.
+``expand, a_sum`` is what the preconditioner runs: the shifted products for
+the convolutions with enough input channels, the patch matrix for the first.
 Nothing is asserted; the two 'expand' results are checked to agree.
 
     python benchmarks/conv_expand.py --threads 2 --repeats 9
@@ -52,11 +54,13 @@ def main() -> None:
     a_methods: dict[str, Callable[[Case], object]] = {
         "expand, shifted products": lambda c: c[0].shifted_sum(c[2]),
         "expand, patch matrix": lambda c: c[0].patch_sum(c[2]),
+        "expand, a_sum": lambda c: c[0].a_sum(c[2]),
         "reduce": lambda c: c[1].a_sum(c[2]),
     }
     g_methods: dict[str, Callable[[Case], object]] = {
         "expand, shifted products": lambda c: c[0].g_sum(c[3]),
         "expand, patch matrix": lambda c: c[0].g_sum(c[3]),
+        "expand, a_sum": lambda c: c[0].g_sum(c[3]),
         "reduce": lambda c: c[1].g_sum(c[3]),
     }
     load_before = os.getloadavg()
@@ -84,6 +88,10 @@ def main() -> None:
     shifted, patch = total["expand, shifted products"], total["expand, patch matrix"]
     print(f"  expand A+G, shifted / patch matrix: {shifted / patch:.3f}")
     print(f"  expand (shifted) / reduce, A+G: {shifted / total['reduce']:.1f}x")
+    print(
+        "  a_sum takes the shifted products from SHIFTED_MIN_CHANNELS input channels on "
+        "(here all but the first conv)"
+    )
 
 
 if __name__ == "__main__":

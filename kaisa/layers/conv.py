@@ -13,11 +13,12 @@ products with ``C_in`` columns instead of one with ``9·C_in``: on GapCNN's
 six convolutions 2.3 (2 threads) to 2.8 (1 thread) times faster
 (``benchmarks/conv_expand.py``).
 
-Otherwise (strided convolutions, other padding modes, 1×1 kernels) the patch
-matrix is built. It is the largest temporary of K-FAC on a CNN (for a 16-channel
-3×3 layer at 32×32 and batch 128 it is 75 MB in float32), so it is built a
-slice of the batch at a time, bounded by ``max_patch_bytes``, and never
-concatenated with the column of ones. Each slice is stored transposed,
+Otherwise (strided convolutions, other padding modes, 1×1 kernels, fewer than
+``SHIFTED_MIN_CHANNELS`` input channels) the patch matrix is built. It is the
+largest temporary of K-FAC on a CNN (for a 16-channel 3×3 layer at 32×32 and
+batch 128 it is 75 MB in float32), so it is built a slice of the batch at a
+time, bounded by ``max_patch_bytes``, and never concatenated with the column
+of ones. Each slice is stored transposed,
 ``(C_in·kh·kw, rows)``: its copy then reads and writes runs of output
 positions (contiguous in the input) instead of gathering ``kw`` elements at a
 time, and the product ``PᵀP`` runs on the transposed view without a copy.
@@ -59,6 +60,15 @@ DEFAULT_MAX_PATCH_BYTES = 4 * 2**20
 #: 'expand' products read (unless one sample is larger); larger inputs are
 #: taken a slice of samples at a time.
 DEFAULT_MAX_SHIFT_BYTES = 32 * 2**20
+
+#: ``a_sum`` takes the shifted products from this many input channels on. Each
+#: of their products reads the whole input for only ``C_in²`` outputs, so with
+#: few channels they are bound by memory traffic and the patch matrix (one copy,
+#: one product) is faster: batch 128, 2 threads, 3×3 at 28×28 (ms, shifted
+#: against patch matrix) C_in 1: 3.2 / 1.1, 8: 10.3 / 9.8, 10: 23.3 / 15.7,
+#: 12: 12.8 / 21.5, 16: 9.6 / 28.9; 5×5 at 28×28 C_in 4: 40.6 / 16.8, 16:
+#: 43.8 / 186.0.
+SHIFTED_MIN_CHANNELS = 12
 
 
 def _pair(value: int | tuple[int, ...]) -> tuple[int, int]:
@@ -387,7 +397,7 @@ class Conv2dHandler(LayerHandler):
             scale = 1.0 / positions**2
             out = gram_with_ones(means, out, scale) if self.has_bias else gram(means, out, scale)
             return out, n
-        if self._shifted:
+        if self._shifted and self.module.in_channels >= SHIFTED_MIN_CHANNELS:
             return self.shifted_sum(x, out)
         return self.patch_sum(x, out)
 

@@ -346,7 +346,7 @@ def test_shifted_expand_sum_equals_patch_matrix_product(
                 for j in range(i + 1, k):
                     assert torch.equal(blocks[:, j, :, i], blocks[:, i, :, j].T)
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
-            # a_sum takes this path, and adds into an existing sum.
+            # a_sum (here the patch matrix: few channels) agrees and adds into a sum.
             twice, _ = handler.a_sum(inp, got.clone())
             torch.testing.assert_close(twice, 2 * expected, rtol=1e-12, atol=1e-12)
 
@@ -366,3 +366,23 @@ def test_shifted_sum_rejects_the_convolutions_it_does_not_cover() -> None:
         torch.testing.assert_close(
             handler.a_sum(torch.ones(2, 2, 5, 5))[0], handler.patch_sum(torch.ones(2, 2, 5, 5))[0]
         )
+
+
+@pytest.mark.parametrize("channels_above", [True, False], ids=["shifted", "patch matrix"])
+def test_a_sum_picks_the_shifted_products_from_enough_channels(
+    channels_above: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From ``SHIFTED_MIN_CHANNELS`` input channels on, 'expand' uses shifted products."""
+    from kaisa.layers.conv import SHIFTED_MIN_CHANNELS, Conv2dHandler
+
+    c_in = SHIFTED_MIN_CHANNELS if channels_above else SHIFTED_MIN_CHANNELS - 1
+    conv = nn.Conv2d(c_in, 2, 3, padding=1).double()
+    x = torch.randn(3, c_in, 5, 4, dtype=torch.float64)
+    patches = naive_patches(conv, x)
+    patches = torch.cat([patches, torch.ones(patches.shape[0], 1, dtype=torch.float64)], 1)
+    handler = Conv2dHandler(conv)
+    unused = "patch_sum" if channels_above else "shifted_sum"
+    monkeypatch.setattr(handler, unused, lambda *a, **k: pytest.fail(f"{unused} was called"))
+    got, rows = handler.a_sum(x)
+    assert rows == 3 * 20
+    torch.testing.assert_close(got, patches.T @ patches / 20**2, rtol=1e-12, atol=1e-12)
