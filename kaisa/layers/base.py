@@ -129,8 +129,17 @@ def gram_with_ones(
     if out is None:
         out = rows.new_zeros(d + 1, d + 1, dtype=accumulator_dtype(rows))
     gram(rows, out[:d, :d], scale)
-    col_sum = rows.sum(dim=0, dtype=out.dtype)
+    add_ones_border(out, rows.sum(dim=0, dtype=out.dtype), rows.shape[0], scale)
+    return out
+
+
+def add_ones_border(out: torch.Tensor, col_sum: torch.Tensor, count: int, scale: float) -> None:
+    """Add the ones column's part of ``scale · [R | 1]ᵀ [R | 1]`` to ``out`` in place.
+
+    ``col_sum`` is ``Rᵀ1`` (the last row and column) and ``count`` the number
+    of rows (the corner); the top-left block ``RᵀR`` is the caller's.
+    """
+    d = col_sum.shape[0]
     out[:d, d].add_(col_sum, alpha=scale)
     out[d, :d].add_(col_sum, alpha=scale)
-    out[d, d].add_(rows.shape[0] * scale)
-    return out
+    out[d, d].add_(count * scale)

@@ -48,7 +48,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kaisa.layers.base import LayerHandler, accumulator_dtype, gram, gram_with_ones
+from kaisa.layers.base import (
+    LayerHandler,
+    accumulator_dtype,
+    add_ones_border,
+    gram,
+    gram_with_ones,
+)
 
 ConvEstimator = Literal["expand", "reduce"]
 
@@ -186,6 +192,12 @@ class _ShiftPlan:
                     t = index.setdefault(term, len(index))
                     entries.append((b, t, row_sign * col_sign))
         self.terms = list(index)
+        # Terms over every position whose partner is in the image: one product
+        # of the whole guarded buffer; the others are border strips.
+        self.whole = [
+            (r0, r1, c0, c1) == (max(0, -dr), min(h, h - dr), max(0, -dc), min(w, w - dc))
+            for dr, dc, r0, r1, c0, c1 in self.terms
+        ]
         coefficients = torch.zeros(len(self.upper), max(1, len(self.terms)))
         for b, t, sign in entries:
             coefficients[b, t] += sign
@@ -247,8 +259,8 @@ class _ShiftPlan:
         flat[n * per_sample :].zero_()
         products = []
         whole = n * per_sample
-        for dr, dc, r0, r1, c0, c1 in self.terms:
-            if (r0, r1, c0, c1) == (max(0, -dr), min(h, h - dr), max(0, -dc), min(w, w - dc)):
+        for (dr, dc, r0, r1, c0, c1), whole_range in zip(self.terms, self.whole, strict=True):
+            if whole_range:
                 # Every position: the whole buffer against itself, shifted.
                 shift = dr * wp + dc
                 product = flat[:whole].t() @ flat[shift : shift + whole]
@@ -461,9 +473,7 @@ class Conv2dHandler(LayerHandler):
         if self.has_bias:
             means, positions = self.patch_means(x)
             sums = means.sum(dim=0, dtype=out.dtype).mul_(positions)
-            out[:d, d].add_(sums, alpha=scale)
-            out[d, :d].add_(sums, alpha=scale)
-            out[d, d].add_(x.shape[0] * positions * scale)
+            add_ones_border(out, sums, x.shape[0] * positions, scale)
         return out, x.shape[0] * plan.positions
 
     def g_sum(
