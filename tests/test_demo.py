@@ -237,8 +237,9 @@ def test_stop_at_target_ends_at_the_first_hit(tiny: Path) -> None:
     assert stopped.first_reaching(0.3).test_accuracy == hit.test_accuracy  # type: ignore[union-attr]
 
 
-def test_lockstep_arms_compute_what_each_arm_computes_alone(tiny: Path) -> None:
-    """Taking turns step by step changes when steps run, not what they compute.
+@pytest.mark.parametrize("turn", [1, 4])
+def test_lockstep_arms_compute_what_each_arm_computes_alone(tiny: Path, turn: int) -> None:
+    """Taking turns (every step or every ``turn`` steps) changes when steps run, not results.
 
     Both arms (SGD and SGD + K-FAC) trained in lockstep give bit for bit the
     evaluation points (steps, accuracies, losses) of each arm trained alone,
@@ -265,13 +266,26 @@ def test_lockstep_arms_compute_what_each_arm_computes_alone(tiny: Path) -> None:
         ]
 
     for stop in (False, True):
-        together = train_arms_in_lockstep(data, config, [sgd, kfac], 0, stop_at_target=stop)
+        together = train_arms_in_lockstep(
+            data, config, [sgd, kfac], 0, stop_at_target=stop, turn=turn
+        )
         alone = [train_arm(data, config, arm, 0, stop_at_target=stop) for arm in (sgd, kfac)]
         assert [r.arm for r in together] == ["sgd", "kaisa"]
         for t, a in zip(together, alone, strict=True):
             assert t.steps == a.steps and len(t.points) > 1
             assert points(t) == points(a), (t.arm, stop)
             assert t.train_seconds > 0
+
+
+@pytest.mark.parametrize("turn", [0, -1, 1.5, True])
+def test_lockstep_rejects_a_bad_turn(tiny: Path, turn: object) -> None:
+    from kaisa.demo.config import ArmConfig, DemoConfig
+    from kaisa.demo.train import train_arms_in_lockstep
+
+    arm = ArmConfig("sgd", 0.05)
+    config = DemoConfig(data_dir=str(tiny), out_dir="", arms=(arm,), progress=False)
+    with pytest.raises(ValueError, match="turn must be a positive integer"):
+        train_arms_in_lockstep(load_fashion_mnist(str(tiny)), config, [arm], 0, turn=turn)  # type: ignore[arg-type]
 
 
 # --- the whole demo --------------------------------------------------------------------

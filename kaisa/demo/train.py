@@ -329,8 +329,10 @@ def train_arms_in_lockstep(
     dist: DistContext | None = None,
     progress: bool = False,
     stop_at_target: bool = False,
+    *,
+    turn: int = 1,
 ) -> list[RunResult]:
-    """Train every arm as :func:`train_arm` would, one step of each in turn.
+    """Train every arm as :func:`train_arm` would, ``turn`` steps of each in turn.
 
     Each arm has its own model, optimizer, batch order and clock; taking turns
     only changes *when* each step runs, so every arm computes exactly what it
@@ -338,7 +340,12 @@ def train_arms_in_lockstep(
     on all arms alike instead of on whichever arm happened to be running. An
     arm that finishes first leaves the others to go on alone. Peak memory is
     the process's, so in a lockstep run every arm reports the same peak.
+    ``turn`` (default 1, the demo's) is how many steps an arm takes before
+    the next one goes; ``benchmarks/lockstep.py`` uses it to check that
+    alternating every step does not slow an arm through the caches.
     """
+    if isinstance(turn, bool) or not isinstance(turn, int) or turn < 1:
+        raise ValueError(f"turn must be a positive integer (steps per turn), got {turn!r}")
     dist = dist or DistContext()
     runs = [
         _arm_run(data, config, arm, seed, dist, progress, stop_at_target, position=i)
@@ -347,12 +354,13 @@ def train_arms_in_lockstep(
     results: list[RunResult | None] = [None] * len(runs)
     while any(r is None for r in results):
         for i, run in enumerate(runs):
-            if results[i] is not None:
-                continue
-            try:
-                next(run)
-            except StopIteration as done:
-                results[i] = done.value
+            for _ in range(turn):
+                if results[i] is not None:
+                    break
+                try:
+                    next(run)
+                except StopIteration as done:
+                    results[i] = done.value
     return [r for r in results if r is not None]
 
 
