@@ -31,7 +31,6 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import torch
 from common import LoadRecord, format_table, machine_info, set_threads, write_json
 
 from kaisa.demo.cli import build_config, parse_args
@@ -109,13 +108,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     result = {
         "benchmark": "lockstep",
-        "settings": vars(args) | {"data_dir": str(args.data_dir), "json": None},
+        "settings": vars(args),
         "kaisa_arm": config.arms[1].hyperparameters(),
         "ms_per_step": per_step,
         "kaisa_over_sgd": ratios,
         "load": load.as_dict(),
         "machine": machine_info(),
-        "torch": torch.__version__,
     }
     if args.json:
         write_json(args.json, result)
