@@ -1,26 +1,73 @@
-"""Maths: factor running averages, second-order state, preconditioning, KL clipping."""
+"""Maths: factor running averages, second-order state, preconditioning, KL clipping.
 
-from kaisa.curvature.block import ComputeMethod, KroneckerBlock
-from kaisa.curvature.linalg import (
-    DecompositionError,
-    damped_inverse,
-    eigen_outer_inverse,
-    fold_running_average,
-    kl_clip_scale,
-    precondition_eigen,
-    precondition_inverse,
-    symmetric_eigen,
-)
+Imported lazily, name by name, so that the torch-free parts (the
+representation specs and costs in :mod:`kaisa.curvature.costs`) can be used
+by ``kaisa plan`` without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kaisa.curvature.block import ComputeMethod, KroneckerBlock
+    from kaisa.curvature.costs import SideCost, SideSpec, side_cost
+    from kaisa.curvature.linalg import (
+        DecompositionError,
+        damped_inverse,
+        eigen_outer_inverse,
+        fold_running_average,
+        kl_clip_scale,
+        precondition_eigen,
+        precondition_inverse,
+        symmetric_eigen,
+    )
+    from kaisa.curvature.representations import Side, make_side, split_damping
+
+_LAZY = {
+    "ComputeMethod": "kaisa.curvature.block",
+    "KroneckerBlock": "kaisa.curvature.block",
+    "SideCost": "kaisa.curvature.costs",
+    "SideSpec": "kaisa.curvature.costs",
+    "side_cost": "kaisa.curvature.costs",
+    "DecompositionError": "kaisa.curvature.linalg",
+    "damped_inverse": "kaisa.curvature.linalg",
+    "eigen_outer_inverse": "kaisa.curvature.linalg",
+    "fold_running_average": "kaisa.curvature.linalg",
+    "kl_clip_scale": "kaisa.curvature.linalg",
+    "precondition_eigen": "kaisa.curvature.linalg",
+    "precondition_inverse": "kaisa.curvature.linalg",
+    "symmetric_eigen": "kaisa.curvature.linalg",
+    "Side": "kaisa.curvature.representations",
+    "make_side": "kaisa.curvature.representations",
+    "split_damping": "kaisa.curvature.representations",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ComputeMethod",
     "DecompositionError",
     "KroneckerBlock",
+    "Side",
+    "SideCost",
+    "SideSpec",
     "damped_inverse",
     "eigen_outer_inverse",
     "fold_running_average",
     "kl_clip_scale",
+    "make_side",
     "precondition_eigen",
     "precondition_inverse",
+    "side_cost",
+    "split_damping",
     "symmetric_eigen",
 ]

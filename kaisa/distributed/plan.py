@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kaisa.curvature.costs import EIGH_COST, SideSpec, side_cost
+
 AssignmentStrategy = Literal["compute", "memory"]
 FractionSpec = float | str
 
@@ -31,11 +33,14 @@ _NAMED_FRACTIONS = ("comm-opt", "hybrid-opt", "mem-opt")
 
 @dataclass(frozen=True)
 class LayerShape:
-    """A registered layer as the plan sees it: a name and its factor sides."""
+    """A registered layer as the plan sees it: a name, its factor sides and their
+    representations (spec §8: ``'exact'``, ``'lowrank:K'``, ``'kvec'``, ``'diagonal'``)."""
 
     name: str
     a_size: int
     g_size: int
+    a_spec: str = "exact"
+    g_spec: str = "exact"
 
     def __post_init__(self) -> None:
         if self.a_size < 1 or self.g_size < 1:
@@ -43,6 +48,10 @@ class LayerShape:
                 f"layer {self.name!r}: factor sides must be positive, got "
                 f"a_size={self.a_size}, g_size={self.g_size}"
             )
+        for which, text, size in (("A", self.a_spec, self.a_size), ("G", self.g_spec, self.g_size)):
+            spec = SideSpec.parse(text)
+            spec.check_size(size, f"layer {self.name!r}, factor {which}")
+            object.__setattr__(self, f"{which.lower()}_spec", str(spec))
 
 
 @dataclass(frozen=True)
@@ -51,7 +60,8 @@ class LayerAssignment:
 
     ``column`` indexes the gradient-worker group; ``grad_workers`` are its
     ranks (the ranks that hold the layer's second-order state and compute its
-    preconditioned gradient); ``a_rank`` / ``g_rank`` decompose the factors.
+    preconditioned gradient); ``a_rank`` / ``g_rank`` decompose the factors;
+    ``a_spec`` / ``g_spec`` are the factors' representations.
     """
 
     name: str
@@ -61,6 +71,8 @@ class LayerAssignment:
     a_rank: int
     g_rank: int
     grad_workers: tuple[int, ...]
+    a_spec: str = "exact"
+    g_spec: str = "exact"
 
 
 @dataclass(frozen=True)
@@ -123,8 +135,8 @@ class WorkPlan:
         cost = _cost_fn(strategy or self.assignment_strategy)
         load = [0.0] * self.world_size
         for la in self.layers:
-            load[la.a_rank] += cost(la.a_size)
-            load[la.g_rank] += cost(la.g_size)
+            load[la.a_rank] += cost(la.a_size, la.a_spec)
+            load[la.g_rank] += cost(la.g_size, la.g_spec)
         return load
 
     def imbalance(self) -> float:
@@ -139,20 +151,33 @@ class WorkPlan:
             f"world size {self.world_size}, {self.grad_workers} gradient worker(s) per layer "
             f"({self.strategy_name}), {self.num_columns} column(s), "
             f"strategy {self.assignment_strategy!r}, colocate_factors={self.colocate_factors}",
-            f"{'layer':<40} {'A':>6} {'G':>6} {'column':>6} {'A rank':>6} {'G rank':>6}",
+            f"{'layer':<40} {'A':>6} {'G':>6} {'A held as':>12} {'G held as':>12} "
+            f"{'column':>6} {'A rank':>6} {'G rank':>6}",
         ]
         for la in self.layers:
             lines.append(
-                f"{la.name:<40} {la.a_size:>6} {la.g_size:>6} {la.column:>6} "
-                f"{la.a_rank:>6} {la.g_rank:>6}"
+                f"{la.name:<40} {la.a_size:>6} {la.g_size:>6} {la.a_spec:>12} {la.g_spec:>12} "
+                f"{la.column:>6} {la.a_rank:>6} {la.g_rank:>6}"
             )
         return "\n".join(lines)
 
 
-def _cost_fn(strategy: AssignmentStrategy) -> Callable[[int], float]:
-    """Cost of decomposing a factor of side ``n``: ``n³`` (time) or ``n²`` (memory)."""
-    power = 3 if strategy == "compute" else 2
-    return lambda n: float(n) ** power
+def _cost_fn(strategy: AssignmentStrategy) -> Callable[[int, str], float]:
+    """Cost of refreshing a factor of side ``n`` held as ``spec``.
+
+    'compute': ``n³`` for an exact factor, a low-rank or vector side's refresh
+    work in the same units; 'memory': the numbers of second-order state
+    (``n²`` for an exact factor).
+    """
+
+    def cost(n: int, spec: str) -> float:
+        parsed = SideSpec.parse(spec)
+        if parsed.kind == "exact":
+            return float(n) ** (3 if strategy == "compute" else 2)
+        side = side_cost(parsed, n)
+        return side.refresh / EIGH_COST if strategy == "compute" else float(side.state)
+
+    return cost
 
 
 def resolve_grad_workers(grad_worker_fraction: FractionSpec, world_size: int) -> int:
@@ -222,11 +247,14 @@ def make_plan(
     placed: dict[str, LayerAssignment] = {}
     # Largest first; the stable sort keeps registration order among equals.
     order = sorted(
-        range(len(layers)), key=lambda i: -(cost(layers[i].a_size) + cost(layers[i].g_size))
+        range(len(layers)),
+        key=lambda i: (
+            -(cost(layers[i].a_size, layers[i].a_spec) + cost(layers[i].g_size, layers[i].g_spec))
+        ),
     )
     for i in order:
         layer = layers[i]
-        ca, cg = cost(layer.a_size), cost(layer.g_size)
+        ca, cg = cost(layer.a_size, layer.a_spec), cost(layer.g_size, layer.g_spec)
         column = min(range(columns), key=lambda c: (column_load[c], c))
         column_load[column] += ca + cg
         ranks = tuple(column + row * columns for row in range(m))
@@ -253,6 +281,8 @@ def make_plan(
             a_rank=a_rank,
             g_rank=g_rank,
             grad_workers=ranks,
+            a_spec=layer.a_spec,
+            g_spec=layer.g_spec,
         )
     return WorkPlan(
         world_size=world_size,

@@ -63,6 +63,24 @@ class LayerHandler(ABC):
     ) -> tuple[torch.Tensor, int]:
         """``δᵀδ`` for one call's output gradient (added into ``out``) and its row count."""
 
+    @abstractmethod
+    def a_moments(
+        self, x: torch.Tensor, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """``[Σ ā; Σ ā²]`` (``(2, a_size)``) for one call's input and its row count.
+
+        The first and second moments of the same rows whose products
+        :meth:`a_sum` adds up (the ones column included), for the ``'kvec'``
+        and ``'diagonal'`` representations: ``O(rows · a_size)`` instead of
+        ``O(rows · a_size²)``.
+        """
+
+    @abstractmethod
+    def g_moments(
+        self, grad_output: torch.Tensor, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """``[Σ δ; Σ δ²]`` (``(2, g_size)``) for one call's output gradient and its row count."""
+
     def grad_matrix(self) -> torch.Tensor | None:
         """The gradient as one ``(g_size, a_size)`` matrix, or ``None`` if there is none.
 
@@ -130,6 +148,32 @@ def gram_with_ones(
         out = rows.new_zeros(d + 1, d + 1, dtype=accumulator_dtype(rows))
     gram(rows, out[:d, :d], scale)
     add_ones_border(out, rows.sum(dim=0, dtype=out.dtype), rows.shape[0], scale)
+    return out
+
+
+def row_moments(
+    rows: torch.Tensor,
+    out: torch.Tensor | None,
+    scale: float = 1.0,
+    ones: float | None = None,
+) -> torch.Tensor:
+    """``[Σ r; Σ r²]`` of ``scale · rows`` (``(2, d)``, or ``(2, d + 1)`` with a ones column).
+
+    ``ones`` is the value of the ones column's entry in every row (``None``:
+    no ones column), as scaled rows see it. Accumulated in at least float32
+    into ``out`` when given.
+    """
+    rows = rows.to(accumulator_dtype(rows))
+    d = rows.shape[1]
+    extra = 0 if ones is None else 1
+    if out is None:
+        out = rows.new_zeros(2, d + extra)
+    out[0, :d].add_(rows.sum(dim=0), alpha=scale)
+    out[1, :d].add_(rows.square().sum(dim=0), alpha=scale * scale)
+    if ones is not None:
+        count = rows.shape[0]
+        out[0, d].add_(count * ones)
+        out[1, d].add_(count * ones * ones)
     return out
 
 

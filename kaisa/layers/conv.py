@@ -493,6 +493,46 @@ class Conv2dHandler(LayerHandler):
         rows = grad_output.permute(0, 2, 3, 1).reshape(n * positions, c)
         return gram(rows, out, scale), n * positions
 
+    def a_moments(
+        self, x: torch.Tensor, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """``[Σ ā; Σ ā²]`` over the ``n·T`` rows ``ā = [p | 1] / T`` (spec §3), for any estimator.
+
+        From :meth:`patch_means` of ``x`` and of ``x²`` (padding copies values
+        or adds zeros, so the patches of ``x²`` are the squared patches of
+        ``x``); the patch matrix is never built.
+        """
+        if x.dim() == 3:
+            x = x.unsqueeze(0)
+        x = x.to(accumulator_dtype(x))
+        n = x.shape[0]
+        means, positions = self.patch_means(x)  # Σ_T p / T per sample
+        squares, _ = self.patch_means(x * x)  # Σ_T p² / T per sample
+        d = means.shape[1]
+        if out is None:
+            out = x.new_zeros(2, self.a_size)
+        out[0, :d].add_(means.sum(dim=0))
+        out[1, :d].add_(squares.sum(dim=0), alpha=1.0 / positions)
+        if self.has_bias:  # n·T rows whose ones entry is 1/T
+            out[0, d].add_(n)
+            out[1, d].add_(n / positions)
+        return out, n * positions
+
+    def g_moments(
+        self, grad_output: torch.Tensor, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """``[Σ δ; Σ δ²]`` over the ``n·T`` rows ``δ / T`` (spec §3), for any estimator."""
+        if grad_output.dim() == 3:
+            grad_output = grad_output.unsqueeze(0)
+        n, c, h, w = grad_output.shape
+        positions = h * w
+        rows = grad_output.to(accumulator_dtype(grad_output))
+        if out is None:
+            out = rows.new_zeros(2, c)
+        out[0].add_(rows.sum(dim=(0, 2, 3)), alpha=1.0 / positions)
+        out[1].add_(rows.square().sum(dim=(0, 2, 3)), alpha=1.0 / positions**2)
+        return out, n * positions
+
     def _sample_block_gram(
         self, blocks: torch.Tensor, out: torch.Tensor | None, scale: float
     ) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kaisa.layers.base import LayerHandler, gram, gram_with_ones
+from kaisa.layers.base import LayerHandler, gram, gram_with_ones, row_moments
 
 
 class LinearHandler(LayerHandler):
@@ -33,3 +33,15 @@ class LinearHandler(LayerHandler):
     ) -> tuple[torch.Tensor, int]:
         rows = grad_output.reshape(-1, grad_output.shape[-1])
         return gram(rows, out), rows.shape[0]
+
+    def a_moments(
+        self, x: torch.Tensor, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
+        rows = x.reshape(-1, x.shape[-1])
+        return row_moments(rows, out, ones=1.0 if self.has_bias else None), rows.shape[0]
+
+    def g_moments(
+        self, grad_output: torch.Tensor, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
+        rows = grad_output.reshape(-1, grad_output.shape[-1])
+        return row_moments(rows, out), rows.shape[0]

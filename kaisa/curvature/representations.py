@@ -1,0 +1,443 @@
+"""How one side of a layer's curvature is held: exact, low-rank, Kronecker vector, diagonal.
+
+Each class here holds one Kronecker factor ``F`` (the ``A`` or the ``G`` of one
+layer, of side ``n``) in one representation (spec §8) and knows, for that
+representation:
+
+* what it captures and folds into its running average (``capture``): the full
+  matrix of row products (``'gram'``, ``n²`` numbers) or the first and second
+  moments of the rows (``'moments'``, ``2n`` numbers: the mean row and the
+  mean of the squared rows);
+* how to refresh its second-order state from the running average
+  (:meth:`Side.refresh`, on the rank the plan assigns) and which tensors carry
+  that state to the layer's other gradient workers (:meth:`Side.state_tensors`);
+* how to apply its damped inverse ``(F / s + γI)⁻¹`` to a gradient along one
+  dimension (:meth:`Side.solve`), ``s`` the mean eigenvalue under relative
+  damping and 1 otherwise;
+* what it costs (:class:`SideCost`): work per capture row, per refresh and per
+  preconditioning, and the numbers it holds and sends;
+* :meth:`Side.dense`: the ``n × n`` matrix it stands for, which the tests invert
+  densely in float64 to check :meth:`Side.solve`.
+
+Representations (``SideSpec.kind``):
+
+* ``'exact'``: ``F`` itself; eigen (``Q``, ``λ``) or damped inverse (spec §4).
+* ``'lowrank'``: ``U diag(λ) Uᵀ + σ(I − UUᵀ)`` from the top ``k`` eigenpairs
+  of ``F`` (subspace iteration warm-started from the previous basis), ``σ``
+  the mean of the other eigenvalues; solved in ``O(n·k)`` per column.
+* ``'kvec'``: ``ā āᵀ`` with ``ā`` the running mean of the rows (Eva, Zhang
+  et al. 2023), solved by Sherman–Morrison; no decomposition.
+* ``'diagonal'``: ``diag(E[row²])``, the diagonal of ``F``.
+
+Nothing here knows modules, hooks or ranks. The specs and costs, which the
+plan needs without torch, are in :mod:`kaisa.curvature.costs`.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from kaisa.curvature.costs import (
+    EIGH_COST,
+    OVERSAMPLING,
+    SIDE_KINDS,
+    SUBSPACE_ITERATIONS,
+    Capture,
+    SideCost,
+    SideKind,
+    SideSpec,
+    side_cost,
+)
+
+__all__ = [
+    "EIGH_COST",
+    "OVERSAMPLING",
+    "SIDE_KINDS",
+    "SUBSPACE_ITERATIONS",
+    "Capture",
+    "DiagonalSide",
+    "ExactSide",
+    "KroneckerVectorSide",
+    "LowRankSide",
+    "Side",
+    "SideCost",
+    "SideKind",
+    "SideSpec",
+    "make_side",
+    "side_cost",
+    "split_damping",
+]
+
+from kaisa.curvature.linalg import (
+    DecompositionError,
+    compute_dtype,
+    damped_inverse,
+    fold_running_average,
+    mean_scale,
+    symmetric_eigen,
+)
+
+
+def _seed_for(name: str) -> int:
+    """A seed that depends on the layer's name only, equal on every rank and run."""
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+class Side(ABC):
+    """One factor of one layer held in one representation (see the module docstring).
+
+    Args:
+        name: the layer and side, for messages and the low-rank seed.
+        size: the factor's side ``n``.
+        device, factor_dtype: where and in which dtype the running average lives.
+        inv_dtype: dtype of the second-order state.
+        relative: damping relative to the factor's mean eigenvalue.
+    """
+
+    kind: ClassVar[SideKind]
+    capture: ClassVar[Capture]
+
+    def __init__(
+        self,
+        name: str,
+        size: int,
+        *,
+        device: torch.device,
+        factor_dtype: torch.dtype,
+        inv_dtype: torch.dtype,
+        relative: bool,
+    ) -> None:
+        self.name = name
+        self.size = size
+        self.inv_dtype = inv_dtype
+        self.relative = relative
+        if self.capture == "gram":
+            self.factor = torch.eye(size, dtype=factor_dtype, device=device)
+        else:  # moments: row 0 the mean row, row 1 the mean squared row (identity: 0, 1)
+            self.factor = torch.zeros(2, size, dtype=factor_dtype, device=device)
+            self.factor[1].fill_(1.0)
+        self.state: list[torch.Tensor] = []
+
+    @property
+    def spec(self) -> SideSpec:
+        return SideSpec(self.kind)
+
+    def fold(self, batch: torch.Tensor, decay: float) -> None:
+        """``F ← ξ·F + (1 − ξ)·F_batch`` (a gram, or the two moment rows)."""
+        fold_running_average(self.factor, batch, decay)
+
+    # -- second-order state -------------------------------------------------------
+    def allocate(self) -> list[torch.Tensor]:
+        """Second-order state on this rank: that of the identity factor (idempotent)."""
+        if not self.state:
+            self.state = self._identity_state()
+        return self.state
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The tensors a refresh writes and the column broadcast sends."""
+        return self.allocate()
+
+    def refresh(self, damping: float) -> None:
+        """Recompute the second-order state from the running average.
+
+        Raises :class:`DecompositionError` (state unchanged) when the factor is
+        not finite or the decomposition fails.
+        """
+        if not bool(torch.isfinite(self.factor).all()):
+            raise DecompositionError("factor holds NaN or Inf")
+        new = self._compute_state(damping)
+        for old, value in zip(self.allocate(), new, strict=True):
+            old.copy_(value)
+
+    def scale(self) -> torch.Tensor:
+        """``s``: the mean eigenvalue under relative damping, else 1 (a 0-d tensor)."""
+        if not self.relative:
+            return torch.ones((), dtype=self.inv_dtype, device=self.factor.device)
+        return mean_scale(self.mean_eigenvalue())
+
+    @abstractmethod
+    def _identity_state(self) -> list[torch.Tensor]: ...
+
+    @abstractmethod
+    def _compute_state(self, damping: float) -> list[torch.Tensor]: ...
+
+    @abstractmethod
+    def mean_eigenvalue(self) -> torch.Tensor:
+        """``trace(F)/n`` of the matrix the state stands for (0-d, ``inv_dtype``)."""
+
+    @abstractmethod
+    def solve(self, matrix: torch.Tensor, damping: float, dim: int) -> torch.Tensor:
+        """``(F/s + γI)⁻¹`` applied along ``dim`` of a 2-D ``matrix``.
+
+        ``dim=0``: ``(F/s + γI)⁻¹ M`` (the ``G`` side, ``M`` is ``(n, ·)``);
+        ``dim=1``: ``M (F/s + γI)⁻¹`` (the ``A`` side, ``M`` is ``(·, n)``).
+        Computed in the state's dtype, returned in ``matrix``'s.
+        """
+
+    @abstractmethod
+    def dense(self) -> torch.Tensor:
+        """The ``n × n`` matrix the current state stands for (tests, inspection)."""
+
+    # -- accounting and checkpoints -----------------------------------------------
+    def factor_bytes(self) -> int:
+        return self.factor.numel() * self.factor.element_size()
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state)
+
+    def state_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {"spec": str(self.spec), "factor": self.factor.clone()}
+        if self.state:
+            out["state"] = [t.clone() for t in self.state]
+        return out
+
+
+def _along(matrix: torch.Tensor, dim: int) -> torch.Tensor:
+    """``matrix`` with the side's dimension first (a view)."""
+    return matrix if dim == 0 else matrix.t()
+
+
+class ExactSide(Side):
+    """``F`` itself: eigenbasis and eigenvalues (``method='eigen'``) or ``(F/s + γI)⁻¹``."""
+
+    kind = "exact"
+    capture = "gram"
+
+    def __init__(self, name: str, size: int, *, method: str = "eigen", **kw: object) -> None:
+        super().__init__(name, size, **kw)  # type: ignore[arg-type]
+        if method not in ("eigen", "inverse"):
+            raise ValueError(f"compute_method must be 'eigen' or 'inverse'; got {method!r}")
+        self.method = method
+
+    def _identity_state(self) -> list[torch.Tensor]:
+        eye = torch.eye(self.size, dtype=self.inv_dtype, device=self.factor.device)
+        if self.method == "eigen":
+            return [eye, torch.ones(self.size, dtype=self.inv_dtype, device=self.factor.device)]
+        return [eye]
+
+    def _compute_state(self, damping: float) -> list[torch.Tensor]:
+        if self.method == "eigen":
+            q, values = symmetric_eigen(self.factor, self.inv_dtype)
+            return [q, values]
+        factor = self.factor
+        if self.relative:
+            diagonal = factor.diagonal().to(compute_dtype(factor.dtype))
+            factor = factor / mean_scale(diagonal).to(factor.dtype)
+        return [damped_inverse(factor, damping, self.inv_dtype)]
+
+    def mean_eigenvalue(self) -> torch.Tensor:
+        if self.method == "eigen":
+            return self.allocate()[1].mean()
+        return self.factor.diagonal().mean().to(self.inv_dtype)
+
+    @property
+    def eigen(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Q, λ)`` of the eigen method."""
+        q, values = self.allocate()
+        return q, values
+
+    def solve(self, matrix: torch.Tensor, damping: float, dim: int) -> torch.Tensor:
+        if self.method == "inverse":
+            # The inverse was formed with the damping of its refresh (spec §4).
+            inverse = self.allocate()[0]
+            m = matrix.to(inverse.dtype)
+            out = inverse @ m if dim == 0 else m @ inverse
+            return out.to(matrix.dtype)
+        q, values = self.eigen
+        inv = (values / self.scale()).add_(damping).reciprocal_()
+        m = _along(matrix.to(q.dtype), dim)
+        out = q @ (inv.unsqueeze(1) * (q.t() @ m))
+        return _along(out, dim).to(matrix.dtype)
+
+    def dense(self) -> torch.Tensor:
+        if self.method == "eigen":
+            q, values = self.eigen
+            return (q * values) @ q.t()
+        return self.factor.to(self.inv_dtype)
+
+
+class LowRankSide(Side):
+    """``U diag(λ) Uᵀ + σ(I − UUᵀ)``: the top ``k`` eigenpairs and one scalar for the rest.
+
+    The refresh runs :data:`SUBSPACE_ITERATIONS` steps of subspace iteration
+    on ``k +`` :data:`OVERSAMPLING` columns, warm-started from the previous
+    basis (a seeded Gaussian the first time), then a Rayleigh–Ritz step; ``σ``
+    is ``(trace(F) − Σλ) / (n − k)`` (0 at ``k = n``, where this is the exact
+    eigen method).
+    """
+
+    kind = "lowrank"
+    capture = "gram"
+
+    def __init__(self, name: str, size: int, *, rank: int, **kw: object) -> None:
+        super().__init__(name, size, **kw)  # type: ignore[arg-type]
+        SideSpec("lowrank", rank).check_size(size, f"layer side {name!r}")
+        self.rank = rank
+        self._basis: torch.Tensor | None = None  # the oversampled basis, for warm starts
+
+    @property
+    def spec(self) -> SideSpec:
+        return SideSpec("lowrank", self.rank)
+
+    def _identity_state(self) -> list[torch.Tensor]:
+        n, k = self.size, self.rank
+        device = self.factor.device
+        u = torch.eye(n, k, dtype=self.inv_dtype, device=device)
+        values = torch.ones(k, dtype=self.inv_dtype, device=device)
+        sigma = torch.ones(1, dtype=self.inv_dtype, device=device)
+        return [u, values, sigma]
+
+    def _compute_state(self, damping: float) -> list[torch.Tensor]:
+        n, k = self.size, self.rank
+        dtype = compute_dtype(self.factor.dtype)
+        factor = self.factor.to(dtype)
+        width = min(n, k + OVERSAMPLING)
+        basis = self._basis
+        if basis is None or basis.shape != (n, width) or basis.dtype != dtype:
+            generator = torch.Generator(device="cpu").manual_seed(_seed_for(self.name))
+            basis = torch.randn(n, width, generator=generator, dtype=dtype).to(factor.device)
+            basis = torch.linalg.qr(basis).Q
+        try:
+            for _ in range(SUBSPACE_ITERATIONS):
+                basis = torch.linalg.qr(factor @ basis).Q
+            projected = basis.t() @ factor @ basis
+            values, vectors = torch.linalg.eigh((projected + projected.t()) / 2)
+        except RuntimeError as error:
+            raise DecompositionError(f"low-rank refresh failed: {error}") from error
+        if not (bool(torch.isfinite(values).all()) and bool(torch.isfinite(vectors).all())):
+            raise DecompositionError("low-rank refresh returned non-finite values")
+        order = torch.argsort(values, descending=True)
+        values, vectors = values[order], vectors[:, order]
+        self._basis = basis @ vectors  # the Ritz vectors: the best warm start
+        u = self._basis[:, :k]
+        top = values[:k].clamp(min=0.0)
+        rest = n - k
+        trace = factor.diagonal().sum()
+        sigma = ((trace - top.sum()) / rest).clamp(min=0.0) if rest else trace.new_zeros(())
+        return [u.to(self.inv_dtype), top.to(self.inv_dtype), sigma.reshape(1).to(self.inv_dtype)]
+
+    def mean_eigenvalue(self) -> torch.Tensor:
+        _, values, sigma = self.allocate()
+        return (values.sum() + (self.size - self.rank) * sigma[0]) / self.size
+
+    def solve(self, matrix: torch.Tensor, damping: float, dim: int) -> torch.Tensor:
+        u, values, sigma = self.allocate()
+        s = self.scale()
+        rest = 1.0 / (sigma[0] / s + damping)
+        coefficient = (values / s).add_(damping).reciprocal_().sub_(rest)
+        m = _along(matrix.to(u.dtype), dim)
+        out = m * rest + u @ (coefficient.unsqueeze(1) * (u.t() @ m))
+        return _along(out, dim).to(matrix.dtype)
+
+    def dense(self) -> torch.Tensor:
+        u, values, sigma = self.allocate()
+        eye = torch.eye(self.size, dtype=u.dtype, device=u.device)
+        return (u * values) @ u.t() + sigma[0] * (eye - u @ u.t())
+
+
+class KroneckerVectorSide(Side):
+    """``ā āᵀ`` from the running mean row ``ā`` (Eva); Sherman–Morrison, no decomposition.
+
+    ``(b bᵀ + γI)⁻¹ v = (v − b (bᵀv) / (γ + bᵀb)) / γ`` with ``b = ā / √s``.
+    """
+
+    kind = "kvec"
+    capture = "moments"
+
+    def _identity_state(self) -> list[torch.Tensor]:
+        return [self.factor[0].to(self.inv_dtype).clone()]
+
+    def _compute_state(self, damping: float) -> list[torch.Tensor]:
+        return [self.factor[0].to(self.inv_dtype)]
+
+    def mean_eigenvalue(self) -> torch.Tensor:
+        (mean,) = self.allocate()
+        return mean.dot(mean) / self.size
+
+    def solve(self, matrix: torch.Tensor, damping: float, dim: int) -> torch.Tensor:
+        (mean,) = self.allocate()
+        b = mean / self.scale().sqrt()
+        m = _along(matrix.to(b.dtype), dim)
+        projection = b @ m  # bᵀ v for every column
+        out = (m - torch.outer(b, projection) / (damping + b.dot(b))) / damping
+        return _along(out, dim).to(matrix.dtype)
+
+    def dense(self) -> torch.Tensor:
+        (mean,) = self.allocate()
+        return torch.outer(mean, mean)
+
+
+class DiagonalSide(Side):
+    """``diag(E[row²])``, the diagonal of ``F``: the cheapest fallback."""
+
+    kind = "diagonal"
+    capture = "moments"
+
+    def _identity_state(self) -> list[torch.Tensor]:
+        return [self.factor[1].to(self.inv_dtype).clone()]
+
+    def _compute_state(self, damping: float) -> list[torch.Tensor]:
+        return [self.factor[1].to(self.inv_dtype)]
+
+    def mean_eigenvalue(self) -> torch.Tensor:
+        return self.allocate()[0].mean()
+
+    def solve(self, matrix: torch.Tensor, damping: float, dim: int) -> torch.Tensor:
+        (diagonal,) = self.allocate()
+        inv = (diagonal / self.scale()).add_(damping).reciprocal_()
+        m = _along(matrix.to(inv.dtype), dim)
+        return _along(inv.unsqueeze(1) * m, dim).to(matrix.dtype)
+
+    def dense(self) -> torch.Tensor:
+        return torch.diag(self.allocate()[0])
+
+
+def make_side(
+    spec: SideSpec,
+    name: str,
+    size: int,
+    *,
+    method: str,
+    device: torch.device,
+    factor_dtype: torch.dtype,
+    inv_dtype: torch.dtype,
+    relative: bool,
+) -> Side:
+    """The :class:`Side` for ``spec`` (``method`` matters to ``'exact'`` only)."""
+    kw: dict[str, object] = {
+        "device": device,
+        "factor_dtype": factor_dtype,
+        "inv_dtype": inv_dtype,
+        "relative": relative,
+    }
+    if spec.kind == "exact":
+        return ExactSide(name, size, method=method, **kw)
+    if spec.kind == "lowrank":
+        assert spec.rank is not None
+        return LowRankSide(name, size, rank=spec.rank, **kw)
+    if spec.kind == "kvec":
+        return KroneckerVectorSide(name, size, **kw)  # type: ignore[arg-type]
+    return DiagonalSide(name, size, **kw)  # type: ignore[arg-type]
+
+
+def split_damping(
+    damping: float, a_scale: float, g_scale: float, relative: bool
+) -> tuple[float, float]:
+    """``(γ_A, γ_G)`` with ``γ_A γ_G = γ`` for a layer solved side by side (spec §8).
+
+    Relative damping: ``√γ`` each (both factors have unit mean eigenvalue).
+    Absolute: Martens & Grosse's π-split, ``γ_A = π√γ``, ``γ_G = √γ/π`` with
+    ``π = √(mean eig(A) / mean eig(G))`` (``π = 1`` if either is 0).
+    """
+    root = math.sqrt(damping)
+    if relative or a_scale <= 0.0 or g_scale <= 0.0:
+        return root, root
+    pi = math.sqrt(a_scale / g_scale)
+    if not math.isfinite(pi) or pi == 0.0:
+        return root, root
+    return root * pi, root / pi
