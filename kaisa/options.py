@@ -9,14 +9,96 @@ what is allowed.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
+from kaisa.curvature.budget import MIN_FACTOR_STEPS, MIN_INV_STEPS
+from kaisa.curvature.costs import SideSpec
 from kaisa.distributed.plan import FractionSpec, resolve_grad_workers
 from kaisa.schedules import Hyperparameter, Rule
+
+#: Options left to the automatic choice when given as ``None``.
+AUTO_OPTIONS = ("factor_update_steps", "inv_update_steps", "factor_decay")
+#: The averaging window of the factors, in steps, that the automatic
+#: ``factor_decay`` keeps whatever the factor interval: ``1 − interval / window``.
+DECAY_WINDOW_STEPS = 200.0
+
+#: The published KAISA implementation's defaults (spec §1, §3, §4), for
+#: :meth:`kaisa.KFACPreconditioner.with_reference_defaults`.
+REFERENCE_DEFAULTS: dict[str, Any] = {
+    "factor_update_steps": 1,
+    "inv_update_steps": 1,
+    "damping": 0.001,
+    "factor_decay": 0.95,
+    "kl_clip": 0.001,
+    "curvature": "exact",
+    "damping_mode": "absolute",
+    "factor_init": "identity",
+}
+
+#: A side's fixed representation, or ``None`` for the automatic choice.
+FixedSides = tuple[str | None, str | None]
+
+
+def auto_decay(factor_update_steps: int) -> float:
+    """``factor_decay`` when left to kaisa: ``1 − interval / 200`` in ``[0.5, 0.95]``.
+
+    Keeps the factors' averaging window near 200 steps whatever the interval
+    (every 10 steps 0.95, every 20 0.9, every 40 0.8, every 80 0.6).
+    """
+    return min(0.95, max(0.5, 1.0 - factor_update_steps / DECAY_WINDOW_STEPS))
+
+
+def _curvature_rules(value: object) -> tuple[tuple[str, FixedSides], ...]:
+    """``curvature`` as ``(regex, (A, G))`` rules; ``None`` sides are left to the budget."""
+
+    def sides(item: object, where: str) -> FixedSides:
+        if isinstance(item, (tuple, list)):
+            if len(item) != 2:
+                raise ValueError(
+                    f"{where} must be one representation or a pair (A, G); got {item!r}"
+                )
+            a, g = item
+        else:
+            a = g = item
+        out: list[str | None] = []
+        for text in (a, g):
+            if isinstance(text, str) and text.strip().lower() == "auto":
+                out.append(None)
+            else:
+                try:
+                    out.append(str(SideSpec.parse(text)))
+                except (TypeError, ValueError) as error:
+                    raise ValueError(
+                        f"{where}: {error}; allowed: 'auto', 'exact', 'lowrank:K', 'kvec', "
+                        "'diagonal'"
+                    ) from None
+        return out[0], out[1]
+
+    if isinstance(value, (str, tuple, list)):
+        return ((".*", sides(value, "curvature")),)
+    if isinstance(value, Mapping):
+        rules = []
+        for pattern, item in value.items():
+            if not isinstance(pattern, str):
+                raise TypeError(f"curvature keys must be regular expressions; got {pattern!r}")
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise ValueError(
+                    f"curvature holds an invalid regular expression {pattern!r}: {error}"
+                ) from error
+            rules.append((pattern, sides(item, f"curvature[{pattern!r}]")))
+        return tuple(rules)
+    raise TypeError(
+        "curvature must be 'auto', a representation ('exact', 'lowrank:K', 'kvec', "
+        "'diagonal'), a pair (A, G) of them, or a mapping from layer-name regular "
+        f"expressions to those; got {value!r}"
+    )
+
 
 GradScale = Callable[[], float]
 
@@ -50,11 +132,11 @@ def _dtype(name: str, value: object, allow_none: bool = True) -> torch.dtype | N
 class KFACOptions:
     """The validated constructor arguments of :class:`~kaisa.KFACPreconditioner`."""
 
-    factor_update_steps: Any = 1
-    inv_update_steps: Any = 1
-    damping: Any = 0.001
-    factor_decay: Any = 0.95
-    kl_clip: Any = 0.001
+    factor_update_steps: Any = None
+    inv_update_steps: Any = None
+    damping: Any = 0.03
+    factor_decay: Any = None
+    kl_clip: Any = 0.003
     lr: Any = 0.1
     accumulation_steps: int = 1
     allreduce_bucket_cap_mb: float = 25.0
@@ -71,23 +153,43 @@ class KFACOptions:
     update_factors_in_hook: bool = True
     conv_factor_estimator: Literal["expand", "reduce"] = "expand"
     factor_product_dtype: torch.dtype | None = None
-    damping_mode: Literal["absolute", "relative"] = "absolute"
-    factor_init: Literal["identity", "first_batch"] = "identity"
+    damping_mode: Literal["absolute", "relative"] = "relative"
+    factor_init: Literal["identity", "first_batch"] = "first_batch"
+    curvature: Any = "auto"
+    time_budget: float = 0.1
     # Derived, validated views.
     hyper: dict[str, Hyperparameter] = field(init=False, repr=False, compare=False)
+    #: Which of :data:`AUTO_OPTIONS` were left to the automatic choice.
+    auto: frozenset[str] = field(init=False, repr=False, compare=False)
+    #: ``curvature`` as ``(regex, (A, G))`` rules, first match wins.
+    curvature_rules: tuple[tuple[str, FixedSides], ...] = field(
+        init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
+        set_(self, "auto", frozenset(n for n in AUTO_OPTIONS if getattr(self, n) is None))
+        # Placeholders until the automatic choice (the preconditioner replaces them).
+        provisional = {
+            "factor_update_steps": MIN_FACTOR_STEPS,
+            "inv_update_steps": MIN_INV_STEPS,
+            "factor_decay": auto_decay(MIN_FACTOR_STEPS),
+        }
+
+        def value(name: str) -> Any:
+            given = getattr(self, name)
+            return provisional[name] if given is None else given
+
         hyper: dict[str, Hyperparameter] = {
             "factor_update_steps": Hyperparameter(
-                Rule("factor_update_steps", integer=True, low=1), self.factor_update_steps
+                Rule("factor_update_steps", integer=True, low=1), value("factor_update_steps")
             ),
             "inv_update_steps": Hyperparameter(
-                Rule("inv_update_steps", integer=True, low=1), self.inv_update_steps
+                Rule("inv_update_steps", integer=True, low=1), value("inv_update_steps")
             ),
             "damping": Hyperparameter(Rule("damping", low=0.0, low_open=True), self.damping),
             "factor_decay": Hyperparameter(
-                Rule("factor_decay", low=0.0, high=1.0, high_open=True), self.factor_decay
+                Rule("factor_decay", low=0.0, high=1.0, high_open=True), value("factor_decay")
             ),
             "lr": Hyperparameter(Rule("lr", low=0.0), self.lr),
         }
@@ -164,6 +266,39 @@ class KFACOptions:
                     f"skip_layers holds an invalid regular expression {pattern!r}: {error}"
                 ) from error
         set_(self, "skip_layers", tuple(skip))
+        set_(self, "curvature_rules", _curvature_rules(self.curvature))
+        budget = self.time_budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+            raise TypeError(f"time_budget must be a number > 0; got {budget!r}")
+        if not budget > 0 or budget == float("inf"):
+            raise ValueError(
+                f"time_budget must be a finite number > 0 (K-FAC's share of the layers' "
+                f"work per step, e.g. 0.1); got {budget!r}"
+            )
+
+    def fixed_sides(self, layer_name: str) -> FixedSides:
+        """The representations the user fixed for a layer's ``(A, G)`` (``None``: automatic)."""
+        for pattern, sides in self.curvature_rules:
+            if re.search(pattern, layer_name):
+                return sides
+        return None, None
+
+    def set_chosen(self, factor_update_steps: int, inv_update_steps: int) -> None:
+        """Install the automatic choice's intervals (and decay) for the options left to it."""
+        if "factor_update_steps" in self.auto:
+            self.hyper["factor_update_steps"] = Hyperparameter(
+                self.hyper["factor_update_steps"].rule, factor_update_steps
+            )
+        if "inv_update_steps" in self.auto:
+            self.hyper["inv_update_steps"] = Hyperparameter(
+                self.hyper["inv_update_steps"].rule, inv_update_steps
+            )
+        if "factor_decay" in self.auto:
+            steps = self.hyper["factor_update_steps"]
+            interval = int(steps.constant) if steps.constant is not None else MIN_FACTOR_STEPS
+            self.hyper["factor_decay"] = Hyperparameter(
+                self.hyper["factor_decay"].rule, auto_decay(interval)
+            )
 
     def grad_scale_reader(self) -> GradScale | None:
         """A function returning the current loss scale, or ``None`` without a scaler."""

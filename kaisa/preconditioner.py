@@ -9,10 +9,11 @@ per layer (:mod:`kaisa.curvature`), and places work and traffic according to a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,29 +21,43 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from kaisa.curvature import KroneckerBlock, kl_clip_scale
-from kaisa.curvature.linalg import compute_dtype
-from kaisa.distributed.comm import Communicator, default_world
+from kaisa.curvature.block import KroneckerBlock
+from kaisa.curvature.budget import BudgetChoice, LayerWork, choose_curvature
+from kaisa.curvature.costs import Capture
+from kaisa.curvature.linalg import compute_dtype, kl_clip_scale
+from kaisa.distributed.comm import Communicator, Payload, PayloadKey, default_world, plan_layout
 from kaisa.distributed.plan import LayerShape, WorkPlan, make_plan
 from kaisa.layers import LayerHandler, find_layers
-from kaisa.options import KFACOptions
+from kaisa.options import REFERENCE_DEFAULTS, KFACOptions
 from kaisa.telemetry import Telemetry
+
+#: What a layer captures while the automatic choice is pending: everything.
+_ALL_KEYS: tuple[PayloadKey, ...] = (
+    ("a", "gram"),
+    ("a", "moments"),
+    ("g", "gram"),
+    ("g", "moments"),
+)
 
 
 @dataclass
 class _Layer:
-    """Runtime state of one registered layer (captures of the current step)."""
+    """Runtime state of one registered layer (captures of the current step).
+
+    ``keys``: what the layer captures on a factor-update step, per side a
+    full gram or the moments of the rows (both while the automatic choice is
+    pending); ``sums`` / ``rows``: this step's accumulated captures per key.
+    """
 
     name: str
     handler: LayerHandler
     block: KroneckerBlock
+    keys: tuple[PayloadKey, ...]
     called: bool = False
     pending: int = 0  # forward calls whose output gradient has not arrived yet
     micro_batches: int = 0
-    a_acc: torch.Tensor | None = None
-    a_rows: int = 0
-    g_acc: torch.Tensor | None = None
-    g_rows: int = 0
+    sums: dict[PayloadKey, torch.Tensor] = field(default_factory=dict)
+    rows: dict[PayloadKey, int] = field(default_factory=dict)
     inputs: list[torch.Tensor] = field(default_factory=list)
     grad_outputs: list[torch.Tensor] = field(default_factory=list)
     submitted: bool = False
@@ -51,15 +66,32 @@ class _Layer:
         self.called = False
         self.pending = 0
         self.micro_batches = 0
-        self.a_acc = self.g_acc = None
-        self.a_rows = self.g_rows = 0
+        self.sums.clear()
+        self.rows.clear()
         self.inputs.clear()
         self.grad_outputs.clear()
         self.submitted = False
 
+    def accumulate(self, which: str, x: torch.Tensor) -> None:
+        """Add one call's captures of side ``which`` (input or output gradient)."""
+        handler = self.handler
+        for key in self.keys:
+            if key[0] != which:
+                continue
+            out = self.sums.get(key)
+            if key == ("a", "gram"):
+                total, rows = handler.a_sum(x, out)
+            elif key == ("a", "moments"):
+                total, rows = handler.a_moments(x, out)
+            elif key == ("g", "gram"):
+                total, rows = handler.g_sum(x, out)
+            else:
+                total, rows = handler.g_moments(x, out)
+            self.sums[key] = total
+            self.rows[key] = self.rows.get(key, 0) + rows
+
     def capture_bytes(self) -> int:
-        tensors = [t for t in (self.a_acc, self.g_acc) if t is not None]
-        tensors += self.inputs + self.grad_outputs
+        tensors = [*self.sums.values(), *self.inputs, *self.grad_outputs]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -138,19 +170,34 @@ class KFACPreconditioner:
             of a layer uses ``min(factor_decay, k/(k+1))``: the first replaces
             the identity, then an equal-weight mean until the exponential
             average takes over).
+        curvature: how each side of each layer is held (spec §8): 'auto' (the
+            default: chosen to fit ``time_budget``), or 'exact', 'lowrank:K',
+            'kvec', 'diagonal', a pair ``(A, G)`` of those (or 'auto'), or a
+            mapping from layer-name regular expressions to those (first match
+            wins; unmatched layers are 'auto').
+        time_budget: K-FAC's work per step as a share of the registered
+            layers' forward and backward work (``> 0``, default 0.1). At the
+            first factor-update step kaisa chooses every 'auto' side's
+            representation and the intervals left as ``None`` to fit it
+            (:mod:`kaisa.curvature.budget`; ``curvature_choice`` holds the
+            outcome). The choice depends on the rows each rank sees.
 
-    Every numeric hyperparameter may also be a callable ``f(step) -> value``.
+    ``factor_update_steps``, ``inv_update_steps`` and ``factor_decay`` default
+    to ``None``: chosen by the budget (the decay keeps a 200-step averaging
+    window, ``1 − interval/200``). Every numeric hyperparameter may also be a
+    callable ``f(step) -> value``. The published KAISA implementation's
+    defaults are one switch away: :meth:`with_reference_defaults`.
     """
 
     def __init__(
         self,
         model: nn.Module,
         *,
-        factor_update_steps: int | Callable[[int], int] = 1,
-        inv_update_steps: int | Callable[[int], int] = 1,
-        damping: float | Callable[[int], float] = 0.001,
-        factor_decay: float | Callable[[int], float] = 0.95,
-        kl_clip: float | Callable[[int], float] | None = 0.001,
+        factor_update_steps: int | Callable[[int], int] | None = None,
+        inv_update_steps: int | Callable[[int], int] | None = None,
+        damping: float | Callable[[int], float] = 0.03,
+        factor_decay: float | Callable[[int], float] | None = None,
+        kl_clip: float | Callable[[int], float] | None = 0.003,
         lr: float | Callable[[int], float] = 0.1,
         accumulation_steps: int = 1,
         allreduce_bucket_cap_mb: float = 25.0,
@@ -167,8 +214,10 @@ class KFACPreconditioner:
         update_factors_in_hook: bool = True,
         conv_factor_estimator: str = "expand",
         factor_product_dtype: torch.dtype | None = None,
-        damping_mode: str = "absolute",
-        factor_init: str = "identity",
+        damping_mode: str = "relative",
+        factor_init: str = "first_batch",
+        curvature: str | tuple[str, str] | Mapping[str, str | tuple[str, str]] = "auto",
+        time_budget: float = 0.1,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
@@ -199,6 +248,8 @@ class KFACPreconditioner:
             factor_product_dtype=factor_product_dtype,
             damping_mode=damping_mode,  # type: ignore[arg-type]
             factor_init=factor_init,  # type: ignore[arg-type]
+            curvature=curvature,
+            time_budget=time_budget,
         )
         found = find_layers(
             model, self.options.skip_layers, conv_estimator=self.options.conv_factor_estimator
@@ -211,13 +262,20 @@ class KFACPreconditioner:
             )
         self.model = model
         self.rank, self.world_size = default_world()
-        self.plan: WorkPlan = make_plan(
-            [LayerShape(name, h.a_size, h.g_size) for name, h in found],
-            self.world_size,
-            self.options.grad_worker_fraction,
-            self.options.assignment_strategy,
-            self.options.colocate_factors,
+        self._fixed = {name: self.options.fixed_sides(name) for name, _ in found}
+        # Until the first factor-update step shows the rows, 'auto' sides are
+        # held exact (nothing is folded before the choice replaces them).
+        provisional = {name: (a or "exact", g or "exact") for name, (a, g) in self._fixed.items()}
+        for name, handler in found:
+            LayerShape(name, handler.a_size, handler.g_size, *provisional[name])  # validates
+        #: The automatic choice, once made (``None`` before, or when nothing was left to it).
+        self.curvature_choice: BudgetChoice | None = None
+        self._choice_pending = bool(self.options.auto) or any(
+            side is None for sides in self._fixed.values() for side in sides
         )
+        if not self._choice_pending:
+            self.options.set_chosen(0, 0)  # nothing is automatic; fixes nothing
+        self.plan: WorkPlan = self._make_plan([(name, h, provisional[name]) for name, h in found])
         first_weight = found[0][1].weight
         self.device = first_weight.device
         self.factor_dtype = self.options.factor_dtype or torch.promote_types(
@@ -234,26 +292,16 @@ class KFACPreconditioner:
             symmetry_aware=self.options.symmetry_aware,
             device=self.device,
             dtype=self.factor_dtype,
+            layout=self._layout(),
         )
         self._grad_scale = self.options.grad_scale_reader()
         self._step_scale: float | None = None
         self.layers: list[_Layer] = []
         for name, handler in found:
-            block = KroneckerBlock(
-                name,
-                handler.a_size,
-                handler.g_size,
-                device=handler.weight.device,
-                factor_dtype=self.factor_dtype,
-                inv_dtype=self.inv_dtype,
-                method=self.options.compute_method,
-                eigen_outer_product=self.options.compute_eigenvalue_outer_product,
-                damping_mode=self.options.damping_mode,
-                factor_init=self.options.factor_init,
-            )
+            block = self._make_block(name, handler, provisional[name])
             if self.plan.is_grad_worker(name, self.rank):
                 block.allocate_second_order()
-            self.layers.append(_Layer(name, handler, block))
+            self.layers.append(_Layer(name, handler, block, self._keys(block)))
         self._handles: list[RemovableHandle] = [
             layer.handler.module.register_forward_hook(functools.partial(self._forward_hook, layer))
             for layer in self.layers
@@ -262,6 +310,125 @@ class KFACPreconditioner:
         self._peak_capture_bytes = 0
         self._capture_this_step = self._is_factor_step()
         self._force_inverse_update = False
+
+    @classmethod
+    def with_reference_defaults(cls, model: nn.Module, **kwargs: Any) -> KFACPreconditioner:
+        """A preconditioner with the published KAISA implementation's defaults.
+
+        Exact curvature, factors and inverses every step, damping 0.001
+        (absolute), decay 0.95, KL clip 0.001, factors starting as the
+        identity (:data:`kaisa.options.REFERENCE_DEFAULTS`); any argument
+        given here wins, with the same names and meanings as the reference.
+        """
+        return cls(model, **{**REFERENCE_DEFAULTS, **kwargs})
+
+    # -- plan, blocks and what they capture ----------------------------------------
+    def _make_plan(self, layers: Sequence[tuple[str, LayerHandler, tuple[str, str]]]) -> WorkPlan:
+        return make_plan(
+            [LayerShape(name, h.a_size, h.g_size, *specs) for name, h, specs in layers],
+            self.world_size,
+            self.options.grad_worker_fraction,
+            self.options.assignment_strategy,
+            self.options.colocate_factors,
+        )
+
+    def _make_block(
+        self, name: str, handler: LayerHandler, specs: tuple[str, str]
+    ) -> KroneckerBlock:
+        return KroneckerBlock(
+            name,
+            handler.a_size,
+            handler.g_size,
+            device=handler.weight.device,
+            factor_dtype=self.factor_dtype,
+            inv_dtype=self.inv_dtype,
+            method=self.options.compute_method,
+            eigen_outer_product=self.options.compute_eigenvalue_outer_product,
+            damping_mode=self.options.damping_mode,
+            factor_init=self.options.factor_init,
+            a_spec=specs[0],
+            g_spec=specs[1],
+        )
+
+    def _keys(self, block: KroneckerBlock) -> tuple[PayloadKey, ...]:
+        if self._choice_pending:
+            return _ALL_KEYS
+        captures: list[Capture] = [spec.capture for spec in block.specs]
+        return (("a", captures[0]), ("g", captures[1]))
+
+    def _layout(self) -> dict[str, tuple[tuple[PayloadKey, int], ...]]:
+        if not self._choice_pending:
+            return plan_layout(self.plan)
+        return {
+            la.name: tuple((key, la.a_size if key[0] == "a" else la.g_size) for key in _ALL_KEYS)
+            for la in self.plan.layers
+        }
+
+    def _choose(self, reduced: dict[str, dict[PayloadKey, tuple[torch.Tensor, float]]]) -> None:
+        """Make the automatic choice from this step's rows (equal on every rank)."""
+
+        def rows(name: str, key: PayloadKey) -> float:
+            payload = reduced.get(name)
+            return float(payload[key][1]) if payload is not None and key in payload else 0.0
+
+        works = []
+        for layer in self.layers:
+            h, name = layer.handler, layer.name
+            works.append(
+                LayerWork(
+                    name,
+                    h.a_size,
+                    h.g_size,
+                    training=h.training_work(rows(name, ("a", "moments"))),
+                    a_gram=h.capture_work("a", "gram", rows(name, ("a", "gram"))),
+                    g_gram=h.capture_work("g", "gram", rows(name, ("g", "gram"))),
+                    a_moments=h.capture_work("a", "moments", rows(name, ("a", "moments"))),
+                    g_moments=h.capture_work("g", "moments", rows(name, ("g", "moments"))),
+                    a_fixed=self._fixed[name][0],
+                    g_fixed=self._fixed[name][1],
+                )
+            )
+        hyper = self.options.hyper
+        auto = self.options.auto
+        choice = choose_curvature(
+            works,
+            self.options.time_budget,
+            factor_update_steps=None
+            if "factor_update_steps" in auto
+            else hyper["factor_update_steps"].int_at(self._steps),
+            inv_update_steps=None
+            if "inv_update_steps" in auto
+            else hyper["inv_update_steps"].int_at(self._steps),
+            compute_method=self.options.compute_method,
+        )
+        if not choice.within_budget:
+            warnings.warn(
+                f"kaisa: time_budget={self.options.time_budget:g} cannot be met on this model "
+                f"(the cheapest curvature costs {choice.share:.3g} of the layers' work); "
+                "using the cheapest representations and intervals",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        self._apply_choice(choice)
+
+    def _apply_choice(self, choice: BudgetChoice) -> None:
+        """Install a choice: blocks, plan, factor layout and intervals (between steps)."""
+        self._choice_pending = False
+        self.curvature_choice = choice
+        self.options.set_chosen(choice.factor_update_steps, choice.inv_update_steps)
+        for layer in self.layers:
+            specs = choice.specs[layer.name]
+            if tuple(str(spec) for spec in layer.block.specs) != specs:
+                layer.block = self._make_block(layer.name, layer.handler, specs)
+        self.plan = self._make_plan(
+            [(layer.name, layer.handler, choice.specs[layer.name]) for layer in self.layers]
+        )
+        self.comm.set_layout(plan_layout(self.plan), self.plan)
+        for layer in self.layers:
+            layer.keys = self._keys(layer.block)
+            if self.plan.is_grad_worker(layer.name, self.rank):
+                layer.block.allocate_second_order()
+        self._capture_this_step = self._is_factor_step()
 
     # -- hyperparameters at the current step ---------------------------------------
     @property
@@ -306,8 +473,7 @@ class KFACPreconditioner:
                 output.register_hook(functools.partial(self._grad_output_hook, layer))  # type: ignore[no-untyped-call]
             if self.options.update_factors_in_hook:
                 with self.telemetry.timer("factor_products"):
-                    layer.a_acc, rows = layer.handler.a_sum(x, layer.a_acc)
-                layer.a_rows += rows
+                    layer.accumulate("a", x)
             else:
                 layer.inputs.append(x)
 
@@ -319,8 +485,7 @@ class KFACPreconditioner:
                     self._step_scale = self._grad_scale()
             if self.options.update_factors_in_hook:
                 with self.telemetry.timer("factor_products"):
-                    layer.g_acc, rows = layer.handler.g_sum(delta, layer.g_acc)
-                layer.g_rows += rows
+                    layer.accumulate("g", delta)
             else:
                 layer.grad_outputs.append(delta)
             layer.pending -= 1
@@ -333,38 +498,40 @@ class KFACPreconditioner:
                 ):
                     self._submit(layer)
 
-    def _factor_sums(self, layer: _Layer) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
-        """This step's ``āᵀā`` and ``δᵀδ`` sums and their row counts, ``None`` without captures.
+    def _factor_sums(self, layer: _Layer) -> Payload | None:
+        """This step's capture sums per key and their row counts, ``None`` without captures.
 
         The communicator divides the sums by the rows (over all ranks) into
-        ``A_batch`` and ``G_batch``.
+        the batch factors (``A_batch``, ``G_batch``, or the rows' moments).
         """
-        handler = layer.handler
         with self.telemetry.timer("factor_products"):
             for x in layer.inputs:
-                layer.a_acc, rows = handler.a_sum(x, layer.a_acc)
-                layer.a_rows += rows
+                layer.accumulate("a", x)
             for delta in layer.grad_outputs:
-                layer.g_acc, rows = handler.g_sum(delta, layer.g_acc)
-                layer.g_rows += rows
+                layer.accumulate("g", delta)
         layer.inputs.clear()
         layer.grad_outputs.clear()
-        if layer.a_acc is None or layer.g_acc is None or not layer.a_rows or not layer.g_rows:
+        if any(key not in layer.sums or not layer.rows.get(key) for key in layer.keys):
             return None
         # Batch-split invariance (spec §3): δ is divided by the world size, and by
-        # the loss scale under AMP, before it enters G; both are squared in δᵀδ.
-        g_scale = float(self.world_size) ** 2
+        # the loss scale under AMP, before it enters G; squared in δᵀδ and δ².
+        g_scale = float(self.world_size)
         if self._step_scale is not None:
-            g_scale *= self._step_scale**2
+            g_scale *= self._step_scale
         if g_scale != 1.0:
-            layer.g_acc.div_(g_scale)
-        return layer.a_acc, layer.g_acc, layer.a_rows, layer.g_rows
+            for key in layer.keys:
+                if key == ("g", "gram"):
+                    layer.sums[key].div_(g_scale**2)
+                elif key == ("g", "moments"):
+                    layer.sums[key][0].div_(g_scale)
+                    layer.sums[key][1].div_(g_scale**2)
+        return {key: (layer.sums[key], float(layer.rows[key])) for key in layer.keys}
 
     def _submit(self, layer: _Layer) -> None:
         batch = self._factor_sums(layer)
         layer.submitted = True
         if batch is not None:
-            self.comm.submit_factors(layer.name, *batch)
+            self.comm.submit_factors(layer.name, batch)
 
     # -- the step ----------------------------------------------------------------------
     @torch.no_grad()
@@ -402,9 +569,26 @@ class KFACPreconditioner:
                 layer.pending = 0
             if not layer.submitted:
                 self._submit(layer)
-        reduced = self.comm.reduced_factors()
-        if not reduced:
+        payloads = self.comm.reduced_factors()
+        if not payloads:
             return
+        if self._choice_pending and any(
+            rows > 0 for payload in payloads.values() for _, rows in payload.values()
+        ):
+            self._choose(payloads)
+        # Each block folds the captures its representations hold.
+        reduced: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        captured: dict[str, bool] = {}
+        for layer in self.layers:
+            payload = payloads.get(layer.name)
+            if payload is None:
+                continue
+            (a, a_rows), (g, g_rows) = (
+                payload[(which, spec.capture)]
+                for which, spec in zip(("a", "g"), layer.block.specs, strict=True)
+            )
+            reduced[layer.name] = (a, g)
+            captured[layer.name] = a_rows > 0 and g_rows > 0
         names = [name for name in (layer.name for layer in self.layers) if name in reduced]
         grads = [
             p.grad
@@ -417,18 +601,12 @@ class KFACPreconditioner:
         # A tensor whose sum is finite has only finite entries (NaN and ±inf
         # propagate), so one reduction per tensor decides; a non-finite sum is
         # re-checked entry by entry, as large finite entries can overflow it.
-        # The factors are sums of ``xᵀx``: zero (captured nowhere) iff the trace is.
         tensors = [t for name in names for t in reduced[name]] + grads
         # Sums accumulate in at least float32 (never in half precision).
         summed = [t.sum(dtype=compute_dtype(t.dtype)) for t in tensors]
-        summed += [
-            reduced[name][0].diagonal().sum(dtype=compute_dtype(reduced[name][0].dtype))
-            for name in names
-        ]
         # float64 only when some tensor already is (not every device has it).
         common = functools.reduce(torch.promote_types, (v.dtype for v in summed))
-        values = torch.stack([v.to(common) for v in summed]).tolist()
-        sum_values, traces = values[: len(tensors)], values[len(tensors) :]
+        sum_values = torch.stack([v.to(common) for v in summed]).tolist()
         finite = all(
             math.isfinite(value) or bool(t.isfinite().all())
             for value, t in zip(sum_values, tensors, strict=True)
@@ -438,8 +616,8 @@ class KFACPreconditioner:
             return
         decay = self.options.hyper["factor_decay"].at(self._steps)
         by_name = {layer.name: layer for layer in self.layers}
-        for name, trace in zip(names, traces, strict=True):
-            if trace != 0.0:
+        for name in names:
+            if captured[name]:  # rows on some rank (a layer captured nowhere is skipped)
                 by_name[name].block.fold(*reduced[name], decay)
 
     def _update_second_order(self) -> None:
@@ -523,12 +701,46 @@ class KFACPreconditioner:
 
     def state_dict(self) -> dict[str, Any]:
         """All that is needed to continue bit-identically: steps, factors, second-order state."""
+        choice = self.curvature_choice
         return {
             "steps": self._steps,
             "world_size": self.world_size,
             "grad_workers": self.plan.grad_workers,
+            "curvature_choice": None if choice is None else dataclasses.asdict(choice),
             "layers": {layer.name: layer.block.state_dict() for layer in self.layers},
         }
+
+    def _saved_choice(self, saved: object) -> BudgetChoice | None:
+        """The checkpoint's automatic choice, checked against this preconditioner."""
+        if saved is None:
+            return None
+        try:
+            choice = BudgetChoice(**saved)  # type: ignore[arg-type]
+            specs = {name: (str(a), str(g)) for name, (a, g) in choice.specs.items()}
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"state_dict 'curvature_choice' is malformed: {error}") from None
+        if set(specs) != {layer.name for layer in self.layers}:
+            raise ValueError("state_dict 'curvature_choice' names other layers than registered")
+        for layer in self.layers:
+            for side, fixed, chosen in zip(
+                "AG", self._fixed[layer.name], specs[layer.name], strict=True
+            ):
+                if fixed is not None and fixed != chosen:
+                    raise ValueError(
+                        f"state_dict holds {side} of layer {layer.name!r} as {chosen!r}, but "
+                        f"curvature fixes it to {fixed!r}"
+                    )
+        mine = self.curvature_choice
+        if mine is not None and (
+            mine.specs != specs
+            or (mine.factor_update_steps, mine.inv_update_steps)
+            != (choice.factor_update_steps, choice.inv_update_steps)
+        ):
+            raise ValueError(
+                "state_dict holds another automatic curvature choice than this preconditioner "
+                "made; load it into a new preconditioner (before its first step)"
+            )
+        return dataclasses.replace(choice, specs=specs)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`.
@@ -553,6 +765,9 @@ class KFACPreconditioner:
                 "state_dict layers do not match the registered layers: "
                 f"missing {sorted(missing)}, unexpected {sorted(unexpected)}"
             )
+        choice = self._saved_choice(state_dict.get("curvature_choice"))
+        if choice is not None and self._choice_pending:
+            self._apply_choice(choice)
         same_plan = (
             state_dict.get("world_size") == self.world_size
             and state_dict.get("grad_workers") == self.plan.grad_workers

@@ -107,7 +107,9 @@ class SideSpec:
 class SideCost:
     """What one side costs, in multiply-adds and numbers (elements).
 
-    ``capture_per_row``: work per captured row on a factor-update step;
+    ``capture_per_row``: work per captured row on a factor-update step, for
+    plain row products (a layer handler may do better, as the shifted conv
+    products do; the budget asks the handler);
     ``refresh``: work of one refresh (decomposition) on its assigned rank;
     ``apply_per_column``: work to precondition, per column of the other side
     (a ``(g, a)`` gradient has ``g`` columns for the ``A`` side and ``a`` for

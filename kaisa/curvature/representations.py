@@ -319,6 +319,8 @@ class LowRankSide(Side):
         rest = n - k
         trace = factor.diagonal().sum()
         sigma = ((trace - top.sum()) / rest).clamp(min=0.0) if rest else trace.new_zeros(())
+        if not bool(torch.isfinite(sigma)):
+            raise DecompositionError("low-rank refresh: the rest of the spectrum is not finite")
         return [u.to(self.inv_dtype), top.to(self.inv_dtype), sigma.reshape(1).to(self.inv_dtype)]
 
     def mean_eigenvalue(self) -> torch.Tensor:

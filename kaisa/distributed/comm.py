@@ -18,16 +18,35 @@ not capture holds back the later buckets there until ``reduced_factors``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from kaisa.curvature.costs import Capture, SideSpec
 from kaisa.distributed.plan import WorkPlan
 from kaisa.telemetry import Telemetry
 
 Work = dist.Work
+
+#: One piece of a layer's factor payload: the side (``'a'`` or ``'g'``) and what
+#: was captured for it (``'gram'``: the ``n × n`` row products; ``'moments'``:
+#: the ``(2, n)`` sums of the rows and of their squares).
+PayloadKey = tuple[str, Capture]
+#: A layer's payload: per key, the sum over this rank's rows and the row count.
+Payload = dict[PayloadKey, tuple[torch.Tensor, float]]
+
+
+def plan_layout(plan: WorkPlan) -> dict[str, tuple[tuple[PayloadKey, int], ...]]:
+    """Each layer's payload pieces and sides, from the representations the plan records."""
+    return {
+        la.name: (
+            (("a", SideSpec.parse(la.a_spec).capture), la.a_size),
+            (("g", SideSpec.parse(la.g_spec).capture), la.g_size),
+        )
+        for la in plan.layers
+    }
 
 
 def default_world() -> tuple[int, int]:
@@ -67,10 +86,15 @@ def packed_numel(n: int, symmetric: bool) -> int:
     return n * (n + 1) // 2 if symmetric else n * n
 
 
+def payload_numel(capture: Capture, n: int, symmetric: bool) -> int:
+    """Elements one payload piece sends (triangles only for a symmetric gram)."""
+    return 2 * n if capture == "moments" else packed_numel(n, symmetric)
+
+
 @dataclass
 class _Bucket:
     names: tuple[str, ...]
-    ready: dict[str, tuple[torch.Tensor, torch.Tensor, float, float]] = field(default_factory=dict)
+    ready: dict[str, Payload] = field(default_factory=dict)
     work: Work | None = None
     buffer: torch.Tensor | None = None
 
@@ -100,6 +124,7 @@ class Communicator:
         symmetry_aware: bool = False,
         device: torch.device | None = None,
         dtype: torch.dtype = torch.float32,
+        layout: Mapping[str, Sequence[tuple[PayloadKey, int]]] | None = None,
     ) -> None:
         self.plan = plan
         self.rank = rank
@@ -115,9 +140,35 @@ class Communicator:
             if not (dist.is_available() and dist.is_initialized()):
                 raise RuntimeError("a work plan for several ranks needs torch.distributed")
             self._make_groups()
-        self._buckets = self._make_buckets(bucket_cap_mb)
+        self._bucket_cap_mb = bucket_cap_mb
+        self.set_layout(layout if layout is not None else plan_layout(plan), plan)
+
+    def set_layout(
+        self, layout: Mapping[str, Sequence[tuple[PayloadKey, int]]], plan: WorkPlan | None = None
+    ) -> None:
+        """What each layer sends in the factor all-reduce (and, optionally, a new plan).
+
+        ``layout`` maps every layer of the plan to its payload pieces
+        ``((side, capture), n)``, in a fixed order. Called between steps (no
+        bucket in flight), with the same arguments on every rank; the process
+        groups do not change, so a new plan must keep the world size and the
+        number of gradient workers.
+        """
+        if plan is not None:
+            if (plan.world_size, plan.grad_workers) != (
+                self.plan.world_size,
+                self.plan.grad_workers,
+            ):
+                raise ValueError("a new plan must keep the world size and gradient workers")
+            self.plan = plan
+        if any(b.ready or b.work is not None for b in getattr(self, "_buckets", [])):
+            raise RuntimeError("kaisa: the factor layout changed while factors were in flight")
+        names = [la.name for la in self.plan.layers]
+        if sorted(layout) != sorted(names):
+            raise ValueError("the factor layout must name every layer of the plan")
+        self._layout = {name: tuple(layout[name]) for name in names}
+        self._buckets = self._make_buckets(self._bucket_cap_mb)
         self._bucket_of = {name: b for b in self._buckets for name in b.names}
-        self._sizes = {la.name: (la.a_size, la.g_size) for la in plan.layers}
 
     # -- groups ----------------------------------------------------------------
     def _make_groups(self) -> None:
@@ -149,8 +200,9 @@ class Communicator:
         current: list[str] = []
         size = 0
         for la in reversed(self.plan.layers):
-            numel = packed_numel(la.a_size, self.symmetry_aware) + packed_numel(
-                la.g_size, self.symmetry_aware
+            numel = sum(
+                payload_numel(capture, n, self.symmetry_aware)
+                for (_, capture), n in self._layout[la.name]
             )
             if current and size + numel > cap:
                 buckets.append(_Bucket(tuple(current)))
@@ -165,23 +217,18 @@ class Communicator:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def submit_factors(
-        self,
-        name: str,
-        a_sum: torch.Tensor,
-        g_sum: torch.Tensor,
-        a_rows: float,
-        g_rows: float,
-    ) -> None:
+    def submit_factors(self, name: str, payload: Payload) -> None:
         """Hand over one layer's factor sums for this step and the rows they sum over.
 
-        :meth:`reduced_factors` divides the sums over all ranks by the rows
-        over all ranks, so the batch factors are the mean over every row that
-        went through the layer on any rank (a rank whose forward pass skipped
-        the layer adds nothing). The sums are divided in place. The layer's
-        bucket is all-reduced (asynchronously) as soon as all of its layers
-        and all earlier buckets are in; :meth:`reduced_factors` sends whatever
-        is left.
+        ``payload`` holds, for every piece of the layer's layout, the sum over
+        this rank's rows (``n × n`` products or ``(2, n)`` moments) and the row
+        count. :meth:`reduced_factors` divides the sums over all ranks by the
+        rows over all ranks, so the batch factors are the mean over every row
+        that went through the layer on any rank (a rank whose forward pass
+        skipped the layer adds nothing). The sums are divided in place. The
+        layer's bucket is all-reduced (asynchronously) as soon as all of its
+        layers and all earlier buckets are in; :meth:`reduced_factors` sends
+        whatever is left.
         """
         bucket = self._bucket_of[name]
         if bucket.work is not None or name in bucket.ready:
@@ -190,7 +237,12 @@ class Communicator:
                 "step; the number of forward/backward passes per step must equal "
                 "accumulation_steps"
             )
-        bucket.ready[name] = (a_sum, g_sum, float(a_rows), float(g_rows))
+        expected = [key for key, _ in self._layout[name]]
+        if sorted(payload) != sorted(expected):
+            raise ValueError(
+                f"kaisa: layer {name!r} submitted {sorted(payload)}, its layout is {expected}"
+            )
+        bucket.ready[name] = payload
         if self.distributed:
             for queued in self._buckets:  # in bucket order, up to the first incomplete one
                 if queued.work is None:
@@ -198,22 +250,27 @@ class Communicator:
                         break
                     self._launch(queued)
 
+    def _pack(self, capture: Capture, tensor: torch.Tensor) -> torch.Tensor:
+        if capture == "gram" and self.symmetry_aware:
+            return pack_symmetric(tensor)
+        return tensor.reshape(-1)
+
     def _launch(self, bucket: _Bucket) -> None:
         # The factor sums, then their row counts at the end of the buffer: the
         # sums over ranks divide into the mean over all rows (see _unpack).
         pieces: list[torch.Tensor] = []
         rows: list[float] = []
         for name in bucket.names:
-            a_size, g_size = self._sizes[name]
-            if name in bucket.ready:
-                a, g, a_rows, g_rows = bucket.ready[name]
-            else:  # not captured on this rank this step: contributes nothing
-                a = torch.zeros(a_size, a_size, device=self.device, dtype=self.dtype)
-                g = torch.zeros(g_size, g_size, device=self.device, dtype=self.dtype)
-                a_rows = g_rows = 0.0
-            for matrix, count in ((a, a_rows), (g, g_rows)):
-                pieces.append(pack_symmetric(matrix) if self.symmetry_aware else matrix.reshape(-1))
-                rows.append(count)
+            payload = bucket.ready.get(name)
+            for key, n in self._layout[name]:
+                if payload is not None:
+                    tensor, count = payload[key]
+                else:  # not captured on this rank this step: contributes nothing
+                    shape = (n, n) if key[1] == "gram" else (2, n)
+                    tensor = torch.zeros(shape, device=self.device, dtype=self.dtype)
+                    count = 0.0
+                pieces.append(self._pack(key[1], tensor))
+                rows.append(float(count))
         pieces.append(torch.tensor(rows, device=self.device, dtype=pieces[0].dtype))
         buffer = torch.cat(pieces)
         with self.telemetry.timer("factor_allreduce"):
@@ -222,23 +279,28 @@ class Communicator:
         self.telemetry.count("factor_allreduce", buffer[: -len(rows)])
         self.telemetry.count("factor_rows", buffer[-len(rows) :])
 
-    def reduced_factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def reduced_factors(self) -> dict[str, dict[PayloadKey, tuple[torch.Tensor, float]]]:
         """Batch factors: the submitted sums divided by their rows, over all ranks.
 
-        With one rank: the layers captured this step. With several: waits for
-        the launched buckets and launches the rest, in the same order on every
-        rank, so that every bucket is reduced on every factor-update step. As
-        sums and rows add up over ranks, a layer that some ranks did not call
-        (a data-dependent branch) is averaged over the rows of the ranks that
-        did, as one process would; one captured on no rank comes back as zeros
-        (the caller skips it). With equal row counts on every rank this is
-        spec §5's plain average of the ranks' batch factors. Clears the buckets.
+        For every layer, each payload piece's mean over the rows and those rows
+        per rank (the rows over all ranks divided by the world size; equal on
+        every rank). With one rank: the layers captured this step. With several:
+        waits for the launched buckets and launches the rest, in the same order
+        on every rank, so that every bucket is reduced on every factor-update
+        step. As sums and rows add up over ranks, a layer that some ranks did
+        not call (a data-dependent branch) is averaged over the rows of the
+        ranks that did, as one process would; one captured on no rank comes
+        back as zeros with 0 rows (the caller skips it). With equal row counts
+        on every rank this is spec §5's plain average of the ranks' batch
+        factors. Clears the buckets.
         """
-        result: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        result: dict[str, dict[PayloadKey, tuple[torch.Tensor, float]]] = {}
         if not self.distributed:
             for bucket in self._buckets:
-                for name, (a, g, a_rows, g_rows) in bucket.ready.items():
-                    result[name] = (a.div_(a_rows), g.div_(g_rows))
+                for name, payload in bucket.ready.items():
+                    result[name] = {
+                        key: (tensor.div_(count), count) for key, (tensor, count) in payload.items()
+                    }
                 bucket.ready = {}
             return result
         for bucket in self._buckets:
@@ -253,24 +315,29 @@ class Communicator:
             bucket.ready, bucket.work, bucket.buffer = {}, None, None
         return result
 
-    def _unpack(self, bucket: _Bucket) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def _unpack(self, bucket: _Bucket) -> dict[str, dict[PayloadKey, tuple[torch.Tensor, float]]]:
         assert bucket.buffer is not None
         buffer = bucket.buffer
-        # Rows per factor summed over the ranks; 0 (captured nowhere) leaves zeros.
-        totals = iter(buffer[-2 * len(bucket.names) :].clamp(min=1.0).tolist())
-        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        pieces = sum(len(self._layout[name]) for name in bucket.names)
+        # Rows per piece summed over the ranks; 0 (captured nowhere) leaves zeros.
+        totals = iter(buffer[-pieces:].tolist())
+        out: dict[str, dict[PayloadKey, tuple[torch.Tensor, float]]] = {}
         offset = 0
         for name in bucket.names:
-            a_size, g_size = self._sizes[name]
-            matrices = []
-            for n in (a_size, g_size):
-                numel = packed_numel(n, self.symmetry_aware)
-                flat = buffer[offset : offset + numel].div_(next(totals))
+            layer: dict[PayloadKey, tuple[torch.Tensor, float]] = {}
+            for key, n in self._layout[name]:
+                total = float(next(totals))
+                numel = payload_numel(key[1], n, self.symmetry_aware)
+                flat = buffer[offset : offset + numel].div_(max(total, 1.0))
                 offset += numel
-                matrices.append(
-                    unpack_symmetric(flat, n) if self.symmetry_aware else flat.view(n, n)
-                )
-            out[name] = (matrices[0], matrices[1])
+                if key[1] == "moments":
+                    tensor = flat.view(2, n)
+                elif self.symmetry_aware:
+                    tensor = unpack_symmetric(flat, n)
+                else:
+                    tensor = flat.view(n, n)
+                layer[key] = (tensor, total / self.world_size)
+            out[name] = layer
         return out
 
     # -- agreement ----------------------------------------------------------------

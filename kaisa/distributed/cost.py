@@ -27,6 +27,15 @@ eigenvalue outer product; inverse ``a² + g²``. (The spec counts ``a² + g² + 
 for the outer product; kaisa also keeps the ``a + g`` eigenvalues so that a
 failed decomposition leaves a consistent eigenbasis and spectrum to fall back
 on, on every gradient worker alike.)
+
+Sides held in another representation (spec §8) count their own sizes
+(:func:`kaisa.curvature.costs.side_cost`): a ``'lowrank:K'`` side holds and
+broadcasts ``n·k + k + 1`` numbers of state (its factor is still ``n²``); a
+``'kvec'`` or ``'diagonal'`` side holds and all-reduces ``2n`` numbers of
+factor (the mean row and the mean squared row) and ``n`` of state. In a layer
+with any non-exact side, an exact side uses the eigen form whatever the
+compute method, and there is no eigenvalue outer product. Every per-layer
+function takes the two specs (default exact, the formulas above).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from kaisa.curvature.costs import SideCost, SideSpec, side_cost
 from kaisa.distributed.plan import LayerAssignment, WorkPlan
 
 ComputeMethod = Literal["eigen", "inverse"]
@@ -69,36 +79,65 @@ def _check_interval(name: str, value: int) -> None:
 # --- per-layer element counts ----------------------------------------------------------------
 
 
-def factor_elements(a: int, g: int) -> int:
-    """Elements of one layer's two Kronecker factors, ``a² + g²``."""
-    return a * a + g * g
+def _sides(
+    a: int, g: int, a_spec: str, g_spec: str, compute_method: str
+) -> tuple[SideCost, SideCost, bool]:
+    """The two sides' costs and whether the layer is solved exactly (both sides exact)."""
+    sa, sg = SideSpec.parse(a_spec), SideSpec.parse(g_spec)
+    exact = sa.kind == "exact" and sg.kind == "exact"
+    method = compute_method if exact else "eigen"
+    return side_cost(sa, a, method), side_cost(sg, g, method), exact
+
+
+def factor_elements(a: int, g: int, a_spec: str = "exact", g_spec: str = "exact") -> int:
+    """Elements of one layer's two Kronecker factors (``a² + g²`` when both are held whole)."""
+    ca, cg, _ = _sides(a, g, a_spec, g_spec, "eigen")
+    return ca.factor + cg.factor
 
 
 def second_order_elements(
-    a: int, g: int, compute_method: ComputeMethod = "eigen", eigen_outer_product: bool = True
+    a: int,
+    g: int,
+    compute_method: ComputeMethod = "eigen",
+    eigen_outer_product: bool = True,
+    a_spec: str = "exact",
+    g_spec: str = "exact",
 ) -> int:
     """Elements of one layer's second-order state on one of its gradient workers."""
     _check_method(compute_method)
-    if compute_method == "inverse":
-        return a * a + g * g
-    if eigen_outer_product:
-        return a * a + g * g + a + g + a * g
-    return a * a + g * g + a + g
+    ca, cg, exact = _sides(a, g, a_spec, g_spec, compute_method)
+    total = ca.state + cg.state
+    if exact and compute_method == "eigen" and eigen_outer_product:
+        total += a * g
+    return total
 
 
-def factor_allreduce_elements(a: int, g: int, symmetry_aware: bool = False) -> int:
+def factor_allreduce_elements(
+    a: int, g: int, symmetry_aware: bool = False, a_spec: str = "exact", g_spec: str = "exact"
+) -> int:
     """Elements one layer contributes to the factor all-reduce."""
-    if symmetry_aware:
-        return a * (a + 1) // 2 + g * (g + 1) // 2
-    return a * a + g * g
+    total = 0
+    for n, spec in ((a, a_spec), (g, g_spec)):
+        if SideSpec.parse(spec).capture == "moments":
+            total += 2 * n
+        elif symmetry_aware:
+            total += n * (n + 1) // 2
+        else:
+            total += n * n
+    return total
 
 
-def inverse_broadcast_elements(a: int, g: int, compute_method: ComputeMethod = "eigen") -> int:
-    """Elements of one layer's decomposition broadcasts (A's and G's together)."""
+def inverse_broadcast_elements(
+    a: int,
+    g: int,
+    compute_method: ComputeMethod = "eigen",
+    a_spec: str = "exact",
+    g_spec: str = "exact",
+) -> int:
+    """Elements of one layer's second-order broadcasts (A's and G's together)."""
     _check_method(compute_method)
-    if compute_method == "inverse":
-        return a * a + g * g
-    return a * a + a + g * g + g
+    ca, cg, _ = _sides(a, g, a_spec, g_spec, compute_method)
+    return ca.state + cg.state
 
 
 def grad_broadcast_elements(a: int, g: int) -> int:
@@ -164,7 +203,9 @@ def _memory(
     return RankMemory(
         factors=factors,
         second_order=sum(
-            second_order_elements(la.a_size, la.g_size, compute_method, eigen_outer_product)
+            second_order_elements(
+                la.a_size, la.g_size, compute_method, eigen_outer_product, la.a_spec, la.g_spec
+            )
             for la in own
         ),
     )
@@ -181,7 +222,10 @@ def _traffic(
     gradient-broadcast totals (which every rank shares)."""
     n, m = plan.world_size, plan.grad_workers
     inverse_broadcast = (
-        sum(inverse_broadcast_elements(la.a_size, la.g_size, compute_method) for la in own)
+        sum(
+            inverse_broadcast_elements(la.a_size, la.g_size, compute_method, la.a_spec, la.g_spec)
+            for la in own
+        )
         if m > 1
         else 0
     )
@@ -193,12 +237,13 @@ def _traffic(
 
 
 def _factor_total(plan: WorkPlan) -> int:
-    return sum(factor_elements(la.a_size, la.g_size) for la in plan.layers)
+    return sum(factor_elements(la.a_size, la.g_size, la.a_spec, la.g_spec) for la in plan.layers)
 
 
 def _allreduce_total(plan: WorkPlan, symmetry_aware: bool) -> int:
     return sum(
-        factor_allreduce_elements(la.a_size, la.g_size, symmetry_aware) for la in plan.layers
+        factor_allreduce_elements(la.a_size, la.g_size, symmetry_aware, la.a_spec, la.g_spec)
+        for la in plan.layers
     )
 
 

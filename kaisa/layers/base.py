@@ -81,6 +81,25 @@ class LayerHandler(ABC):
     ) -> tuple[torch.Tensor, int]:
         """``[Σ δ; Σ δ²]`` (``(2, g_size)``) for one call's output gradient and its row count."""
 
+    def capture_work(self, which: str, capture: str, rows: float) -> float:
+        """Multiply-adds of one step's captures of side ``which`` over ``rows`` rows.
+
+        ``capture`` is ``'gram'`` (``rows·n²`` for plain row products) or
+        ``'moments'`` (``2·rows·n``). The automatic curvature choice
+        (:mod:`kaisa.curvature.budget`) weighs representations with it; a
+        handler whose products are cheaper than that says so here.
+        """
+        n = self.a_size if which == "a" else self.g_size
+        return rows * n * n if capture == "gram" else 2.0 * rows * n
+
+    def training_work(self, rows: float) -> float:
+        """Multiply-adds of the layer's forward and backward passes over ``rows`` rows.
+
+        ``rows`` as the moments captures count them (every row of spec §3):
+        one product of ``rows × a`` by ``a × g`` forward, two backward.
+        """
+        return 3.0 * rows * self.a_size * self.g_size
+
     def grad_matrix(self) -> torch.Tensor | None:
         """The gradient as one ``(g_size, a_size)`` matrix, or ``None`` if there is none.
 

@@ -493,6 +493,23 @@ class Conv2dHandler(LayerHandler):
         rows = grad_output.permute(0, 2, 3, 1).reshape(n * positions, c)
         return gram(rows, out, scale), n * positions
 
+    def capture_work(self, which: str, capture: str, rows: float) -> float:
+        """As :meth:`LayerHandler.capture_work`, for this layer's estimator.
+
+        'expand' with shifted products (unit stride, zero padding, at least
+        ``SHIFTED_MIN_CHANNELS`` input channels) needs about
+        ``((2kh − 1)(2kw − 1) + 1) / 2`` products of ``C_in`` columns per row
+        (13 for 3×3) instead of one of ``kh·kw·C_in``; 'reduce' has one gram
+        row per sample (its ``rows`` are already per sample).
+        """
+        if which == "a" and capture == "gram" and self.estimator == "expand":
+            conv = self.module
+            if self._shifted and conv.in_channels >= SHIFTED_MIN_CHANNELS:
+                kh, kw = _pair(conv.kernel_size)
+                products = ((2 * kh - 1) * (2 * kw - 1) + 1) / 2
+                return rows * (products * conv.in_channels**2 + 2.0 * self.a_size)
+        return super().capture_work(which, capture, rows)
+
     def a_moments(
         self, x: torch.Tensor, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, int]:

@@ -1,0 +1,257 @@
+"""The automatic choice (spec §8): curvature that fits a time budget.
+
+Given each layer's factor sides and the rows it sees per step, choose, for
+every side, a representation and, for the run, the factor and inverse
+intervals, so that K-FAC's work per step is at most ``time_budget`` times the
+work of the registered layers' own forward and backward passes. Everything is
+counted in multiply-adds (:func:`kaisa.curvature.costs.side_cost`, with an
+eigendecomposition weighted by what it costs here relative to a matrix
+product), so the choice is a pure function of shapes, rows and options: every
+rank that sees the same rows reaches the same choice, and a test can check it
+without a clock.
+
+The rule, in full:
+
+1. Start with every free side exact and the shortest free intervals
+   (factors every :data:`MIN_FACTOR_STEPS`, inverses every
+   :data:`MIN_INV_STEPS` steps).
+2. While the work per step is over the budget, take the one move that saves
+   the most work: move one side a rung down its ladder (exact, then low rank
+   ``k`` = 256, 128, …, 8 for the ``k`` at most half the side, then Kronecker
+   vectors, then diagonal), or double the factor interval (up to
+   :data:`MAX_FACTOR_STEPS`), or double the inverse interval (up to
+   :data:`MAX_INV_STEPS`; never below the factor interval). Ties go to the
+   earlier layer, ``A`` before ``G``, sides before intervals.
+3. When no move is left the choice is the cheapest one and
+   :attr:`BudgetChoice.within_budget` is ``False`` (the caller warns once).
+
+Sides and intervals the user fixed are counted but never moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kaisa.curvature.costs import SideSpec, side_cost
+
+__all__ = [
+    "LOW_RANKS",
+    "MAX_FACTOR_STEPS",
+    "MAX_INV_STEPS",
+    "MIN_FACTOR_STEPS",
+    "MIN_INV_STEPS",
+    "BudgetChoice",
+    "LayerWork",
+    "choose_curvature",
+    "kfac_work",
+    "ladder",
+    "training_work",
+]
+
+MIN_FACTOR_STEPS = 10
+MAX_FACTOR_STEPS = 80
+MIN_INV_STEPS = 100
+MAX_INV_STEPS = 800
+LOW_RANKS = (256, 128, 64, 32, 16, 8)
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """One layer as the budget sees it, in multiply-adds per step on one rank.
+
+    ``training``: the layer's forward and backward passes; ``a_gram`` …
+    ``g_moments``: one factor-update step's captures of each side, as a full
+    gram or as moments (the layer handler knows what its products cost);
+    ``a_fixed`` / ``g_fixed``: a representation the user chose for that side
+    (never moved), or ``None``. :meth:`from_rows` fills the work in for plain
+    row products.
+    """
+
+    name: str
+    a_size: int
+    g_size: int
+    training: float
+    a_gram: float
+    g_gram: float
+    a_moments: float
+    g_moments: float
+    a_fixed: str | None = None
+    g_fixed: str | None = None
+
+    @staticmethod
+    def from_rows(
+        name: str,
+        a_size: int,
+        g_size: int,
+        rows: float,
+        a_fixed: str | None = None,
+        g_fixed: str | None = None,
+    ) -> LayerWork:
+        """A layer whose ``rows`` rows per step are multiplied out plainly (Linear)."""
+        return LayerWork(
+            name,
+            a_size,
+            g_size,
+            training=3.0 * rows * a_size * g_size,
+            a_gram=rows * a_size * a_size,
+            g_gram=rows * g_size * g_size,
+            a_moments=2.0 * rows * a_size,
+            g_moments=2.0 * rows * g_size,
+            a_fixed=a_fixed,
+            g_fixed=g_fixed,
+        )
+
+    def capture(self, which: str, spec: SideSpec) -> float:
+        """One factor-update step's capture work for side ``which`` held as ``spec``."""
+        gram = spec.capture == "gram"
+        if which == "a":
+            return self.a_gram if gram else self.a_moments
+        return self.g_gram if gram else self.g_moments
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    """The outcome: a representation per side, the intervals, and the work they cost."""
+
+    specs: dict[str, tuple[str, str]]
+    factor_update_steps: int
+    inv_update_steps: int
+    kfac_work: float
+    training_work: float
+    budget: float
+    within_budget: bool
+
+    @property
+    def share(self) -> float:
+        """K-FAC's work per step over the layers' training work."""
+        return self.kfac_work / self.training_work if self.training_work else 0.0
+
+    def describe(self) -> str:
+        lines = [
+            f"curvature budget {self.budget:g}: K-FAC work {self.share:.3f} of the layers' "
+            f"training work; factors every {self.factor_update_steps}, inverses every "
+            f"{self.inv_update_steps} steps"
+            + ("" if self.within_budget else " (over budget: cheapest choice)")
+        ]
+        for name, (a, g) in self.specs.items():
+            lines.append(f"  {name}: A {a}, G {g}")
+        return "\n".join(lines)
+
+
+def ladder(n: int) -> list[SideSpec]:
+    """A side's representations, most curvature first."""
+    rungs = [SideSpec("exact")]
+    rungs += [SideSpec("lowrank", k) for k in LOW_RANKS if 2 * k <= n]
+    rungs += [SideSpec("kvec"), SideSpec("diagonal")]
+    return rungs
+
+
+def training_work(layer: LayerWork) -> float:
+    """Multiply-adds of a layer's forward and backward passes per step."""
+    return layer.training
+
+
+def kfac_work(
+    layer: LayerWork,
+    a_spec: SideSpec,
+    g_spec: SideSpec,
+    factor_update_steps: int,
+    inv_update_steps: int,
+    compute_method: str = "eigen",
+) -> float:
+    """Multiply-adds K-FAC spends on one layer per step, averaged over the intervals.
+
+    Captures (every factor update), one refresh of each side (every inverse
+    update) and the preconditioning of the ``(g, a)`` gradient (every step).
+    """
+    exact = a_spec.kind == "exact" and g_spec.kind == "exact"
+    method = compute_method if exact else "eigen"
+    a, g = layer.a_size, layer.g_size
+    ca, cg = side_cost(a_spec, a, method), side_cost(g_spec, g, method)
+    capture = (layer.capture("a", a_spec) + layer.capture("g", g_spec)) / factor_update_steps
+    refresh = (ca.refresh + cg.refresh) / inv_update_steps
+    apply = ca.apply_per_column * g + cg.apply_per_column * a
+    return capture + refresh + apply
+
+
+def choose_curvature(
+    layers: Sequence[LayerWork],
+    time_budget: float,
+    *,
+    factor_update_steps: int | None = None,
+    inv_update_steps: int | None = None,
+    compute_method: str = "eigen",
+) -> BudgetChoice:
+    """Apply the rule of the module docstring; ``None`` intervals are free to choose."""
+    if isinstance(time_budget, bool) or not isinstance(time_budget, (int, float)):
+        raise TypeError(f"time_budget must be a number > 0; got {time_budget!r}")
+    if not time_budget > 0 or time_budget == float("inf"):
+        raise ValueError(f"time_budget must be a finite number > 0; got {time_budget!r}")
+    ladders: list[list[list[SideSpec]]] = []
+    index: list[list[int]] = []
+    for layer in layers:
+        sides = []
+        for fixed, n in ((layer.a_fixed, layer.a_size), (layer.g_fixed, layer.g_size)):
+            sides.append([SideSpec.parse(fixed)] if fixed is not None else ladder(n))
+        ladders.append(sides)
+        index.append([0, 0])
+    f = factor_update_steps if factor_update_steps is not None else MIN_FACTOR_STEPS
+    i = inv_update_steps if inv_update_steps is not None else max(MIN_INV_STEPS, f)
+
+    def work(k: int, rungs: Sequence[int], f_: int, i_: int) -> float:
+        sa, sg = ladders[k][0][rungs[0]], ladders[k][1][rungs[1]]
+        return kfac_work(layers[k], sa, sg, f_, i_, compute_method)
+
+    def total(f_: int, i_: int) -> float:
+        return sum(work(k, index[k], f_, i_) for k in range(len(layers)))
+
+    train = sum(training_work(layer) for layer in layers)
+    allowed = time_budget * train
+    current = total(f, i)
+    while current > allowed:
+        best: tuple[float, int, int, int] | None = None  # (saving, kind, layer, side)
+        for k in range(len(layers)):
+            for side in (0, 1):
+                rung = index[k][side]
+                if rung + 1 >= len(ladders[k][side]):
+                    continue
+                trial = list(index[k])
+                trial[side] += 1
+                saving = work(k, index[k], f, i) - work(k, trial, f, i)
+                if best is None or saving > best[0]:
+                    best = (saving, 0, k, side)
+        if factor_update_steps is None and 2 * f <= MAX_FACTOR_STEPS:
+            new_i = i if inv_update_steps is not None else max(i, 2 * f)
+            saving = current - total(2 * f, new_i)
+            if best is None or saving > best[0]:
+                best = (saving, 1, 0, 0)
+        if inv_update_steps is None and 2 * i <= MAX_INV_STEPS:
+            saving = current - total(f, 2 * i)
+            if best is None or saving > best[0]:
+                best = (saving, 2, 0, 0)
+        if best is None or best[0] <= 0.0:
+            break
+        _, kind, k, side = best
+        if kind == 0:
+            index[k][side] += 1
+        elif kind == 1:
+            f *= 2
+            if inv_update_steps is None:
+                i = max(i, f)
+        else:
+            i *= 2
+        current = total(f, i)
+    specs = {
+        layer.name: (str(ladders[k][0][index[k][0]]), str(ladders[k][1][index[k][1]]))
+        for k, layer in enumerate(layers)
+    }
+    return BudgetChoice(
+        specs=specs,
+        factor_update_steps=f,
+        inv_update_steps=i,
+        kfac_work=current,
+        training_work=train,
+        budget=float(time_budget),
+        within_budget=current <= allowed,
+    )
