@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import NoReturn, cast
 
+from kaisa.curvature.costs import SideSpec
 from kaisa.distributed.cost import ComputeMethod, CostSummary, summarize
 from kaisa.distributed.layer_shapes import SHAPE_MODELS, module_layer_shapes
 from kaisa.distributed.plan import (
@@ -147,6 +148,14 @@ def _parser() -> _Parser:
         action="store_false",
         help="do not keep the precomputed eigenvalue outer product (eigen method)",
     )
+    p.add_argument(
+        "--curvature",
+        default="exact",
+        metavar="SPEC",
+        help="how every layer's factors are held: exact, lowrank:K, kvec or diagonal, or a "
+        "pair A,G such as lowrank:64,exact (a rank above a factor's side is cut to the side); "
+        "a training run chooses per layer with curvature='auto' (default: exact)",
+    )
     p.add_argument("--factor-update-steps", type=int, default=10, metavar="K")
     p.add_argument("--inv-update-steps", type=int, default=100, metavar="K")
     p.add_argument(
@@ -219,6 +228,8 @@ def _plan_json(plan: WorkPlan) -> dict[str, object]:
                 "name": la.name,
                 "a_size": la.a_size,
                 "g_size": la.g_size,
+                "a_spec": la.a_spec,
+                "g_spec": la.g_spec,
                 "column": la.column,
                 "a_rank": la.a_rank,
                 "g_rank": la.g_rank,
@@ -226,6 +237,28 @@ def _plan_json(plan: WorkPlan) -> dict[str, object]:
             for la in plan.layers
         ],
     }
+
+
+def _with_curvature(shapes: list[LayerShape], text: str) -> list[LayerShape]:
+    """``shapes`` with ``--curvature``'s representations (a low rank capped at each side)."""
+    parts = [part.strip() for part in text.split(",")]
+    if len(parts) not in (1, 2):
+        raise _UsageError(f"argument --curvature: one representation or a pair A,G; got {text!r}")
+    try:
+        specs = [SideSpec.parse(part) for part in parts]
+    except ValueError as error:
+        raise _UsageError(f"argument --curvature: {error}") from None
+    a_spec, g_spec = specs[0], specs[-1]
+
+    def capped(spec: SideSpec, n: int) -> str:
+        if spec.kind == "lowrank" and spec.rank is not None and spec.rank > n:
+            return "exact"
+        return str(spec)
+
+    return [
+        LayerShape(s.name, s.a_size, s.g_size, capped(a_spec, s.a_size), capped(g_spec, s.g_size))
+        for s in shapes
+    ]
 
 
 def _run(argv: Sequence[str]) -> int:
@@ -240,7 +273,7 @@ def _run(argv: Sequence[str]) -> int:
                 f"argument {flag}: must be a positive integer, got {getattr(args, opt)}"
             )
 
-    shapes = model_shapes(args.model)
+    shapes = _with_curvature(model_shapes(args.model), args.curvature)
     if args.fraction:
         ms: list[int] = []
         for text in args.fraction:
@@ -282,6 +315,7 @@ def _run(argv: Sequence[str]) -> int:
         "compute_method": method,
         "eigen_outer_product": args.eigen_outer_product,
         "symmetry_aware": args.symmetry_aware,
+        "curvature": args.curvature,
         "factor_update_steps": args.factor_update_steps,
         "inv_update_steps": args.inv_update_steps,
     }
@@ -300,7 +334,8 @@ def _run(argv: Sequence[str]) -> int:
         f"assignment_strategy={strategy!r}, colocate_factors={args.colocate}, "
         f"compute_method={method!r}"
         + (f", eigen_outer_product={args.eigen_outer_product}" if method == "eigen" else "")
-        + f", symmetry_aware={args.symmetry_aware}, factor_update_steps="
+        + f", symmetry_aware={args.symmetry_aware}, curvature={args.curvature!r}"
+        + ", factor_update_steps="
         f"{args.factor_update_steps}, inv_update_steps={args.inv_update_steps}"
     )
     print()
