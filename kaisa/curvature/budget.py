@@ -16,9 +16,10 @@ The rule, in full:
    (factors every :data:`MIN_FACTOR_STEPS`, inverses every
    :data:`MIN_INV_STEPS` steps).
 2. While the work per step is over the budget, take the one move that saves
-   the most work: move one side a rung down its ladder (exact, then low rank
+   the most work: move one side down its ladder (exact, then low rank
    ``k`` = 256, 128, …, 8 for the ``k`` at most half the side, then Kronecker
-   vectors, then diagonal), or double the factor interval (up to
+   vectors, then diagonal) to the nearest rung that saves anything, or
+   double the factor interval (up to
    :data:`MAX_FACTOR_STEPS`), or double the inverse interval (up to
    :data:`MAX_INV_STEPS`; never below the factor interval). Ties go to the
    earlier layer, ``A`` before ``G``, sides before intervals.
@@ -210,31 +211,34 @@ def choose_curvature(
     allowed = time_budget * train
     current = total(f, i)
     while current > allowed:
-        best: tuple[float, int, int, int] | None = None  # (saving, kind, layer, side)
+        best: tuple[float, int, int, int, int] | None = None  # (saving, kind, layer, side, rung)
         for k in range(len(layers)):
+            here = work(k, index[k], f, i)
             for side in (0, 1):
-                rung = index[k][side]
-                if rung + 1 >= len(ladders[k][side]):
-                    continue
+                # The nearest lower rung that saves anything (a low rank can cost
+                # as much as the exact side it replaces; it is passed over then).
                 trial = list(index[k])
-                trial[side] += 1
-                saving = work(k, index[k], f, i) - work(k, trial, f, i)
-                if best is None or saving > best[0]:
-                    best = (saving, 0, k, side)
+                while trial[side] + 1 < len(ladders[k][side]):
+                    trial[side] += 1
+                    saving = here - work(k, trial, f, i)
+                    if saving > 0.0:
+                        if best is None or saving > best[0]:
+                            best = (saving, 0, k, side, trial[side])
+                        break
         if factor_update_steps is None and 2 * f <= MAX_FACTOR_STEPS:
             new_i = i if inv_update_steps is not None else max(i, 2 * f)
             saving = current - total(2 * f, new_i)
             if best is None or saving > best[0]:
-                best = (saving, 1, 0, 0)
+                best = (saving, 1, 0, 0, 0)
         if inv_update_steps is None and 2 * i <= MAX_INV_STEPS:
             saving = current - total(f, 2 * i)
             if best is None or saving > best[0]:
-                best = (saving, 2, 0, 0)
+                best = (saving, 2, 0, 0, 0)
         if best is None or best[0] <= 0.0:
             break
-        _, kind, k, side = best
+        _, kind, k, side, rung = best
         if kind == 0:
-            index[k][side] += 1
+            index[k][side] = rung
         elif kind == 1:
             f *= 2
             if inv_update_steps is None:
