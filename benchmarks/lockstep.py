@@ -4,7 +4,8 @@
 each in turn (``train_arms_in_lockstep``), so that the shared machine's load
 falls on both alike. Alternating every step could cost time of its own: each
 arm's step may evict the other arm's model, optimizer and K-FAC state from the
-caches. This measures it: the demo's two arms (``kaisa demo``'s defaults) on
+caches. This measures it: the demo's SGD and SGD + KAISA arms (``kaisa demo
+--workload gap_cnn --arms sgd,kaisa-sgd`` with its defaults) on
 the first ``--steps`` batches of Fashion-MNIST (one epoch of that many steps,
 so the learning-rate schedule is compressed, which does not matter for the
 time per step), trained
@@ -64,7 +65,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     set_threads(args.threads)
 
     full = load_fashion_mnist(args.data_dir)
-    config = build_config(parse_args(["--data-dir", args.data_dir, "--threads", str(args.threads)]))
+    config = build_config(
+        parse_args(["--data-dir", args.data_dir, "--threads", str(args.threads),
+                    "--workload", "gap_cnn", "--arms", "sgd,kaisa-sgd"])
+    ).workloads[0]  # fmt: skip
     n = args.steps * config.batch_size
     if n > full.train_x.shape[0]:
         p.error(
@@ -73,7 +77,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # One epoch of --steps steps; a small test set (evaluated once, off the clock).
     data = FashionMNIST(full.train_x[:n], full.train_y[:n], full.test_x[:1000], full.test_y[:1000],
                         full.directory)  # fmt: skip
-    config = dataclasses.replace(config, epochs=1, eval_every=10**9, progress=False)
+    config = dataclasses.replace(
+        config, epochs=1, eval_every=10**9, progress=False, stop_at_target=False
+    )
 
     schedules = ["step", f"turn{args.turn}", "alone"]
     per_step: dict[str, dict[str, list[float]]] = {s: {"sgd": [], "kaisa": []} for s in schedules}
@@ -81,7 +87,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with LoadRecord() as load:
         for rnd in range(args.rounds):
             for schedule in schedules if rnd % 2 == 0 else list(reversed(schedules)):
-                runs = {r.arm: r for r in _run(schedule, data, config, args.turn, rnd)}
+                runs = {
+                    "kaisa" if r.arm == "kaisa-sgd" else r.arm: r
+                    for r in _run(schedule, data, config, args.turn, rnd)
+                }
                 for arm, run in runs.items():
                     per_step[schedule][arm].append(1000 * run.seconds_per_step)
                 ratios[schedule].append(

@@ -1,15 +1,47 @@
-"""Learning-rate (and K-FAC damping / KL-clip) sweep for the demo's two arms.
+"""Learning-rate sweeps: the benchmark suite's (``--suite``) and the original two-arm one.
 
-Each configuration is one full demo run of one arm (same model, data order,
-batch, epoch budget, warm-up + cosine schedule and weight decay as the demo),
-and its time to the target, final accuracy and time per step are appended to
-a JSON file, so a sweep can be run in pieces and resumed (configurations
+**The suite's sweep** (``--suite``) is the one committed procedure behind the
+peak learning rate of every (workload, arm) of ``kaisa demo``. For each
+selected workload (``--workloads``, default the demo's) and arm (``--arms``,
+default all six) it trains one run per learning rate of the arm's family grid
+(:data:`SUITE_GRIDS`: SGD and kaisa-sgd 0.025-0.4; AdamW, kaisa-adamw and SOAP
+5e-4-8e-3; Muon's matrix LR 0.005-0.08 with its AdamW group at the demo's
+fixed ratio) on seed 0, stopping at the workload's target, with exactly the
+demo's settings (each configuration is built by ``kaisa demo``'s own option
+parser, so the kaisa arms use the library's K-FAC defaults). Runs are
+appended to ``results/suite_sweep.json`` (resumable: runs already there are
+skipped; a kaisa run is redone when the library's K-FAC defaults change), and
+the best learning rate per (workload, arm) is written to
+``results/suite_lrs.json``, which ``kaisa demo`` reads. Best = fewest steps to
+the target (steps carry no load noise, and within one arm every LR costs the
+same per step), then the higher accuracy at the stop, then the shorter time;
+an LR that never reached the target ranks after all that did, by its best
+accuracy. An entry whose best LR is at the end of the grid says so
+(``at_grid_edge``): widen the grid there. ::
+
+    python benchmarks/lr_sweep.py --suite                          # everything (hours)
+    python benchmarks/lr_sweep.py --suite --workloads gap_cnn --arms sgd,kaisa-sgd
+    python benchmarks/lr_sweep.py --suite --write-lrs              # rebuild suite_lrs.json only
+    # a smoke check (tiny data, two LRs, one epoch, files under /tmp):
+    python benchmarks/lr_sweep.py --suite --data-dir DIR --epochs 1 --lrs 0.01,0.1 \
+        --out /tmp/sweep.json --lrs-out /tmp/lrs.json
+
+``--lrs`` replaces every selected arm's grid (for smoke checks or a
+refinement of one family); ``--epochs`` and ``--target`` replace the
+workloads' (the records keep them, and ``suite_lrs.json`` names them).
+
+**The original sweep** (``--arm sgd|kaisa``, gap_cnn, explicit K-FAC settings)
+is kept for its recorded results in ``results/lr_sweep.json``. Each
+configuration is one full demo run of one arm (same model, data order, batch,
+epoch budget, warm-up + cosine schedule and weight decay as the demo), and
+its time to the target, final accuracy and time per step are appended to a
+JSON file, so a sweep can be run in pieces and resumed (configurations
 already in the file are skipped). ``--report`` prints the table and the best
 configuration per arm: the smallest median time to the target, ties broken
 by final accuracy; a configuration that never reached the target ranks by
 its final accuracy after all that did.
 
-Examples (the sweep kept in ``benchmarks/results/``)::
+Examples (the original sweep kept in ``benchmarks/results/``)::
 
     python benchmarks/lr_sweep.py --arm sgd --lrs 0.025,0.05,0.1,0.2,0.4
     python benchmarks/lr_sweep.py --arm kaisa --lrs 0.025,0.05,0.1,0.2,0.4
@@ -37,12 +69,37 @@ from typing import Any
 
 import torch
 
+from kaisa.demo.cli import DemoError, build_config, parse_args
 from kaisa.demo.compare import machine_info
-from kaisa.demo.config import ArmConfig, DemoConfig, KfacConfig
-from kaisa.demo.data import DEFAULT_DATA_DIR, load_fashion_mnist
-from kaisa.demo.train import train_arm
+from kaisa.demo.config import (
+    ARM_NAMES,
+    DEFAULT_LR_FILE,
+    DEFAULT_WORKLOADS,
+    WORKLOADS,
+    ArmConfig,
+    DemoConfig,
+    KfacConfig,
+    base_arm,
+)
+from kaisa.demo.data import DEFAULT_DATA_DIR, FashionMNIST, load_fashion_mnist
+from kaisa.demo.train import kfac_options, train_arm
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "lr_sweep.json"
+RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = RESULTS / "lr_sweep.json"
+SUITE_OUT = RESULTS / "suite_sweep.json"
+SUITE_LRS = DEFAULT_LR_FILE
+
+_SGD_GRID = (0.025, 0.05, 0.1, 0.2, 0.4)
+_ADAM_GRID = (5e-4, 1e-3, 2e-3, 4e-3, 8e-3)
+SUITE_GRIDS: dict[str, tuple[float, ...]] = {
+    "sgd": _SGD_GRID,
+    "kaisa-sgd": _SGD_GRID,
+    "adamw": _ADAM_GRID,
+    "kaisa-adamw": _ADAM_GRID,
+    "soap": _ADAM_GRID,
+    "muon": (0.005, 0.01, 0.02, 0.04, 0.08),
+}
+"""Peak learning rates tried per arm (Muon: the matrix LR; its AdamW group at the demo's ratio)."""
 
 
 def _floats(text: str) -> list[float]:
@@ -100,8 +157,8 @@ def _label(rec: dict[str, Any]) -> str:
     k = h.get("kfac")
     if k:
         text += (
-            f" damping={k['damping']:g} kl_clip={k['kl_clip']}"
-            f" f/i={k['factor_update_steps']}/{k['inv_update_steps']}"
+            f" damping={k.get('damping')} kl_clip={k.get('kl_clip')}"
+            f" f/i={k.get('factor_update_steps')}/{k.get('inv_update_steps')}"
         )
         if k.get("factor_decay", 0.95) != 0.95:
             text += f" decay={k['factor_decay']:g}"
@@ -213,10 +270,270 @@ def report(path: Path, target: float | None) -> int:
     return 0
 
 
+# --- the benchmark suite's sweep ---------------------------------------------------
+
+
+def _suite_config(args: argparse.Namespace, workload: str, arm: str, lr: float) -> DemoConfig:
+    """The demo's own configuration of ``arm`` on ``workload`` at peak ``lr``, seed loop aside."""
+    argv = ["--data-dir", args.data_dir, "--workload", workload, "--arms", arm,
+            "--lr", f"{arm}={lr!r}", "--threads", str(args.threads), "--no-progress",
+            "--stop-at-target", "--out", str(args.out.parent),
+            "--eval-every", str(args.eval_every), "--batch-size", str(args.batch_size),
+            "--warmup-epochs", str(args.warmup_epochs)]  # fmt: skip
+    if args.epochs is not None:
+        argv += ["--epochs", str(args.epochs)]
+    if args.target is not None:
+        argv += ["--target", str(args.target)]
+    return build_config(parse_args(argv)).workloads[0]
+
+
+def _resolved_kfac(config: DemoConfig, data: FashionMNIST) -> dict[str, Any]:
+    """The K-FAC options a kaisa arm runs with today (library defaults plus overrides)."""
+    from kaisa import KFACPreconditioner
+    from kaisa.demo.train import build_demo_model
+
+    arm = config.arms[0]
+    if arm.kfac is None:
+        return {}
+    model = build_demo_model(config.model, data.image_shape)
+    pre = KFACPreconditioner(model, lr=arm.lr, **arm.kfac.overrides())
+    pre.remove_hooks()
+    return kfac_options(pre)
+
+
+def _suite_settings(config: DemoConfig) -> dict[str, Any]:
+    return {
+        "workload": config.name,
+        "model": config.model,
+        "epochs": config.epochs,
+        "batch_size": config.batch_size,
+        "warmup_epochs": config.warmup_epochs,
+        "target_accuracy": config.target_accuracy,
+        "eval_every": config.eval_every,
+        "threads": config.threads,
+        "stop_at_target": True,
+        "channels_last": config.channels_last,
+    }
+
+
+def _suite_key(rec: dict[str, Any]) -> str:
+    return json.dumps(
+        [rec["arm"], rec["hyperparameters"], rec["config"], rec.get("kfac_options", {}),
+         rec["seed"]],
+        sort_keys=True,
+    )  # fmt: skip
+
+
+def _suite_rank(row: dict[str, Any]) -> tuple[float, float, float]:
+    """Fewest steps to the target, then higher accuracy at the stop, then less time.
+
+    A learning rate that never reached the target has infinite steps and ranks
+    after all that did, by its best accuracy.
+    """
+    steps = row["steps_to_target"]
+    t = row["time_to_target_s"]
+    if steps is None:
+        return (math.inf, -row["best_test_accuracy"], math.inf)
+    return (float(steps), -row["final_test_accuracy"], t if t is not None else math.inf)
+
+
+def suite_best(
+    runs: list[dict[str, Any]],
+    workload: str,
+    arm: str,
+    settings: dict[str, Any],
+    kfac: dict[str, Any] | None = None,
+) -> dict[str, Any] | None:
+    """The best learning rate of ``arm`` on ``workload`` among the suite sweep's ``runs``.
+
+    Only runs made with ``settings`` (see :func:`_suite_settings`; ``threads``
+    aside, which changes times, not steps) and, for kaisa arms, the K-FAC
+    options ``kfac`` count. Per learning rate the medians over seeds are
+    ranked by :func:`_suite_rank`. Returns the ``suite_lrs.json`` entry or
+    ``None`` without runs.
+    """
+
+    def same(c: dict[str, Any]) -> bool:
+        keys = [k for k in settings if k != "threads"]
+        return all(c.get(k) == settings[k] for k in keys)
+
+    mine = [
+        r
+        for r in runs
+        if r.get("suite")
+        and r["arm"] == arm
+        and r["config"].get("workload") == workload
+        and same(r["config"])
+        and (kfac is None or r.get("kfac_options", {}) == kfac)
+    ]
+    if not mine:
+        return None
+    by_lr: dict[float, list[dict[str, Any]]] = {}
+    for r in mine:
+        by_lr.setdefault(float(r["hyperparameters"]["lr"]), []).append(r)
+    rows = []
+    for lr, recs in by_lr.items():
+        results = [r["result"] for r in recs]
+        steps = [r["steps_to_target"] for r in results]
+        times = [r["time_to_target_s"] for r in results]
+        med_steps = statistics.median([math.inf if v is None else v for v in steps])
+        med_time = statistics.median([math.inf if v is None else v for v in times])
+        rows.append(
+            {
+                "lr": lr,
+                "seeds": sorted(r["seed"] for r in recs),
+                "steps_to_target": None if math.isinf(med_steps) else med_steps,
+                "time_to_target_s": None if math.isinf(med_time) else med_time,
+                "final_test_accuracy": statistics.median(
+                    [r["final_test_accuracy"] for r in results]
+                ),
+                "best_test_accuracy": statistics.median([r["best_test_accuracy"] for r in results]),
+            }
+        )
+    rows.sort(key=_suite_rank)
+    best = rows[0]
+    lrs = sorted(by_lr)
+    return {
+        "lr": best["lr"],
+        "reached": best["steps_to_target"] is not None,
+        "steps_to_target": best["steps_to_target"],
+        "accuracy_at_stop": best["final_test_accuracy"],
+        "at_grid_edge": len(lrs) > 1 and best["lr"] in (lrs[0], lrs[-1]),
+        "grid": lrs,
+        "by_lr": {
+            f"{r['lr']:g}": r["steps_to_target"] for r in sorted(rows, key=lambda r: r["lr"])
+        },
+        "seeds": best["seeds"],
+        "settings": {k: v for k, v in settings.items() if k != "threads"},
+        "kfac_options": kfac or {},
+    }
+
+
+def _write_lrs(path: Path, entries: dict[tuple[str, str], dict[str, Any]]) -> None:
+    """Merge ``entries`` into the learning-rate file (other workloads and arms stay)."""
+    doc: dict[str, Any] = {}
+    if path.exists():
+        doc = json.loads(path.read_text())
+    doc["description"] = (
+        "Best peak learning rate per (workload, arm) of kaisa demo, from "
+        "benchmarks/lr_sweep.py --suite; kaisa demo reads 'lrs.<workload>.<arm>.lr'"
+    )
+    doc["procedure"] = (
+        "per arm, the family grid (SUITE_GRIDS in benchmarks/lr_sweep.py) on seed 0, each run "
+        "stopped at the workload's target with the demo's settings; best = fewest steps to the "
+        "target, then accuracy at the stop, then time; never reached ranks last, by best accuracy"
+    )
+    lrs = doc.setdefault("lrs", {})
+    for (workload, arm), entry in entries.items():
+        lrs.setdefault(workload, {})[arm] = entry
+    doc["lrs"] = {w: {a: lrs[w][a] for a in ARM_NAMES if a in lrs[w]} for w in sorted(lrs)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def suite_main(args: argparse.Namespace) -> int:
+    """``--suite``: sweep the selected (workload, arm) grids, then write the best LRs."""
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    for w in workloads:
+        if w not in WORKLOADS:
+            raise SystemExit(
+                f"--workloads: unknown workload {w!r}; allowed: {', '.join(WORKLOADS)}"
+            )
+    try:
+        arms = [base_arm(a.strip()) for a in args.arms.split(",") if a.strip()]
+    except ValueError as exc:
+        raise SystemExit(f"--arms: {exc}") from None
+    seeds = tuple(int(v) for v in args.seeds.split(","))
+    torch.set_num_threads(args.threads)
+    data = load_fashion_mnist(args.data_dir)
+    runs = _load(args.out)
+    done = {_suite_key(r) for r in runs if r.get("suite")}
+    entries: dict[tuple[str, str], dict[str, Any]] = {}
+    for workload in workloads:
+        for arm_name in arms:
+            grid = args.lrs if args.lrs is not None else SUITE_GRIDS[arm_name]
+            settings: dict[str, Any] = {}
+            kfac: dict[str, Any] | None = None
+            for lr in grid:
+                try:
+                    config = _suite_config(args, workload, arm_name, lr)
+                except DemoError as exc:
+                    raise SystemExit(f"lr_sweep.py: {exc}") from None
+                arm = config.arms[0]
+                settings = _suite_settings(config)
+                if kfac is None and arm.kfac is not None:
+                    kfac = _resolved_kfac(config, data)
+                hyper = {k: v for k, v in arm.hyperparameters().items() if k != "lr_source"}
+                for seed in seeds:
+                    rec: dict[str, Any] = {
+                        "suite": True,
+                        "arm": arm_name,
+                        "seed": seed,
+                        "hyperparameters": hyper,
+                        "config": settings,
+                        "kfac_options": kfac or {},
+                    }
+                    if args.write_lrs or _suite_key(rec) in done:
+                        continue
+                    before = machine_info()["load_average_1_5_15"]
+                    run = train_arm(data, config, arm, seed, stop_at_target=True)
+                    rec["result"] = run.summary(config.target_accuracy)
+                    rec["result"]["curve"] = [
+                        [p.step, round(p.train_seconds, 3), round(p.test_accuracy, 4)]
+                        for p in run.points
+                    ]
+                    rec["optimizer_info"] = run.optimizer_info
+                    rec["load_average_before"] = before
+                    rec["load_average_after"] = machine_info()["load_average_1_5_15"]
+                    rec["created"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+                    runs.append(rec)
+                    done.add(_suite_key(rec))
+                    _save(args.out, runs)
+                    r = rec["result"]
+                    print(
+                        f"{workload} {arm_name} lr={lr:g} seed {seed}: steps to "
+                        f"{config.target_accuracy:.1%} {r['steps_to_target'] or '-'}, "
+                        f"accuracy {r['final_test_accuracy']:.4f}, "
+                        f"{1000 * r['seconds_per_step']:.1f} ms/step, load {before}",
+                        flush=True,
+                    )
+            best = suite_best(runs, workload, arm_name, settings, kfac)
+            if best is None:
+                print(f"{workload} {arm_name}: no runs with the current settings")
+                continue
+            entries[(workload, arm_name)] = best
+            edge = " (at the edge of the grid)" if best["at_grid_edge"] else ""
+            print(
+                f"best {workload} {arm_name}: lr={best['lr']:g}{edge}, steps {best['by_lr']}",
+                flush=True,
+            )
+    if entries:
+        _write_lrs(args.lrs_out, entries)
+        print(f"wrote {args.lrs_out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--arm", choices=("sgd", "kaisa"))
-    p.add_argument("--lrs", type=_floats, default=[0.025, 0.05, 0.1, 0.2, 0.4])
+    p.add_argument("--suite", action="store_true", help="the benchmark suite's sweep (see above)")
+    p.add_argument(
+        "--workloads", default=",".join(DEFAULT_WORKLOADS), help="--suite: workloads to sweep"
+    )
+    p.add_argument("--arms", default=",".join(ARM_NAMES), help="--suite: arms to sweep")
+    p.add_argument(
+        "--write-lrs",
+        action="store_true",
+        help="--suite: only rebuild the learning-rate file from the runs already recorded",
+    )
+    p.add_argument(
+        "--lrs-out", type=Path, default=SUITE_LRS, help="--suite: the learning-rate file"
+    )
+    p.add_argument("--arm", choices=("sgd", "kaisa"), help="the original sweep: one arm")
+    p.add_argument(
+        "--lrs", type=_floats, help="learning rates [--suite: the arm's grid; else 0.025-0.4]"
+    )
     p.add_argument("--dampings", type=_floats, default=[0.003])
     p.add_argument("--kl-clips", type=_kl, default=[0.001])
     p.add_argument(
@@ -230,17 +547,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--factor-decay", type=float, default=0.95)
     p.add_argument("--conv-factor-estimator", choices=("expand", "reduce"), default="expand")
     p.add_argument("--model", default="gap_cnn")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, help="[--suite: the workload's; else 3]")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--warmup-epochs", type=float, default=0.25)
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--target", type=float, default=0.91)
+    p.add_argument("--target", type=float, help="[--suite: the workload's; else 0.91]")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seeds", default="0")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument(
+        "--out", type=Path, help="runs file [--suite: results/suite_sweep.json; else lr_sweep.json]"
+    )
     p.add_argument(
         "--stop-at-target",
         action="store_true",
@@ -248,8 +567,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--report", action="store_true", help="print the table and the best settings")
     args = p.parse_args(argv)
+    if args.suite:
+        args.out = args.out or SUITE_OUT
+        return suite_main(args)
+    args.out = args.out or DEFAULT_OUT
     if args.report or args.arm is None:
         return report(args.out, None)
+    args.lrs = args.lrs or [0.025, 0.05, 0.1, 0.2, 0.4]
+    args.epochs = args.epochs or 3
+    args.target = args.target or 0.91
 
     torch.set_num_threads(args.threads)
     data = load_fashion_mnist(args.data_dir)

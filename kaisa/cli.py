@@ -1,6 +1,6 @@
 """The ``kaisa`` command: a thin dispatcher to the sub-commands.
 
-``kaisa demo ...`` runs the time-to-accuracy comparison (``kaisa.demo``) and
+``kaisa demo ...`` runs the time-to-accuracy benchmark suite (``kaisa.demo``) and
 ``kaisa plan ...`` prints the KAISA work plan and cost model
 (``kaisa.distributed.plan_cli``). Each sub-command owns its own options.
 """
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 _USAGE = """usage: kaisa {demo,plan} [options]
 
-  demo   train one network with SGD and with SGD + KAISA and compare time to accuracy
+  demo   benchmark suite: optimizers with and without KAISA, time to a target accuracy
   plan   print the KAISA work plan and cost model for a model and a world size
 
 Run `kaisa COMMAND --help` for the options of a command."""

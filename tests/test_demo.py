@@ -2,14 +2,17 @@
 
 The data set is a few hundred 28x28 images in the real IDX gzip format whose
 class is a bright horizontal band at a class-dependent height, so a few
-steps of training already separate the classes.
+steps of training already separate the classes. Everything runs with one
+torch thread.
 """
 
 from __future__ import annotations
 
 import csv
 import gzip
+import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
@@ -20,16 +23,27 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kaisa.demo.cli import main
-from kaisa.demo.compare import _paired_ratios
+from kaisa.demo.cli import build_config, main, parse_args
+from kaisa.demo.compare import _paired_ratios, compare_arms, summarize_suite
+from kaisa.demo.config import (
+    ARM_NAMES,
+    FALLBACK_LRS,
+    MUON_ADAMW_LR_RATIO,
+    DemoConfig,
+    SuiteConfig,
+    make_arm,
+)
 from kaisa.demo.data import FILES, DatasetError, load_fashion_mnist, read_idx, write_idx
-from kaisa.demo.report import verdict
-from kaisa.demo.train import warmup_cosine
+from kaisa.demo.report import format_summary, summary_markdown, verdict
+from kaisa.demo.train import train_arms_in_lockstep, warmup_cosine
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_ARGS = [
-    "--model",
+    "--workload",
     "gap_cnn",
+    "--arms",
+    "sgd,kaisa",
+    "--no-stop-at-target",
     "--epochs",
     "2",
     "--batch-size",
@@ -79,8 +93,18 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _check_outputs(out: Path, arms: tuple[str, ...] = ("sgd", "kaisa")) -> dict[str, object]:
+def _check_outputs(
+    out: Path,
+    arms: tuple[str, ...] = ("sgd", "kaisa-sgd"),
+    workload: str = "gap_cnn",
+    kfac: dict[str, object] | None = None,
+) -> dict[str, object]:
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(r["workload"], r["arm"]) for r in summary["rows"]] == [(workload, a) for a in arms]
+    assert (out / "summary.md").read_text().startswith("# kaisa demo: summary over workloads")
+    out = out / workload
     results = json.loads((out / "results.json").read_text())
+    assert results["workload"] == workload
     assert results["target_accuracy"] == pytest.approx(0.3)
     assert set(results["arms"]) == set(arms)
     for name in arms:
@@ -97,18 +121,24 @@ def _check_outputs(out: Path, arms: tuple[str, ...] = ("sgd", "kaisa")) -> dict[
         assert 0.0 <= arm["final_test_accuracy"] <= 1.0
         assert arm["seconds_per_step"] > 0
         assert arm["hyperparameters"]["lr"] > 0
-    if "kaisa" in arms:
-        kaisa_arm = results["arms"]["kaisa"]
-        kfac = kaisa_arm["hyperparameters"]["kfac"]
-        assert kfac["damping_mode"] == "relative" and kfac["factor_init"] == "first_batch"
+    for name in set(arms) & {"kaisa-sgd", "kaisa-adamw"}:
+        kaisa_arm = results["arms"][name]
+        # The library's defaults: the demo passes no K-FAC option of its own.
+        assert kaisa_arm["hyperparameters"]["kfac"] == (kfac or {})
+        assert kaisa_arm["kfac_options"]["lr"] == "callable"
+        assert 0.0 < kaisa_arm["kfac_share"] < 1.0
+        assert kaisa_arm["kfac_phase_seconds"]
         for run in kaisa_arm["per_seed"]:
             assert 0.0 <= run["kl_clipped_fraction"] <= 1.0
-    if set(arms) == {"sgd", "kaisa"}:
+            assert run["kfac_share"] == pytest.approx(run["kfac_seconds"] / run["train_seconds"])
+    if {"sgd", "kaisa-sgd"} <= set(arms):
+        base = results["comparisons"]["kaisa-sgd"]["vs_base"]
+        assert base["arm"] == "sgd"
         sgd_times = {r["seed"]: r["time_to_target_s"] for r in results["arms"]["sgd"]["per_seed"]}
-        for seed, ratio in results["kaisa_time_ratio_per_seed"].items():
+        for seed, ratio in base["per_seed"].items():
             kaisa_time = next(
                 r["time_to_target_s"]
-                for r in results["arms"]["kaisa"]["per_seed"]
+                for r in results["arms"]["kaisa-sgd"]["per_seed"]
                 if str(r["seed"]) == seed
             )
             if ratio:
@@ -202,15 +232,21 @@ def test_paired_ratios_seed_by_seed() -> None:
 
 
 def test_verdict_gives_the_median_and_the_seed_by_seed_ratios() -> None:
+    vs_sgd = {
+        "arm": "sgd",
+        "time_ratio": 0.65,
+        "per_seed": {"0": 0.74, "1": 0.65, "2": None},
+        "per_seed_median": 0.74,
+    }
     results = {
         "target_accuracy": 0.91,
-        "arms": {"sgd": {"time_to_target_s": 100.0}, "kaisa": {"time_to_target_s": 65.0}},
-        "kaisa_time_ratio_per_seed": {"0": 0.74, "1": 0.65, "2": None},
-        "kaisa_time_ratio_per_seed_median": 0.74,
+        "arms": {"sgd": {"time_to_target_s": 100.0}, "kaisa-sgd": {"time_to_target_s": 65.0}},
+        "comparisons": {"kaisa-sgd": {"vs_best": vs_sgd, "vs_base": vs_sgd}},
     }
     text = verdict(results)
     assert text.startswith("SGD + KAISA reached 91.0% in 0.65x SGD's time (65.0 s vs 100.0 s")
     assert "Seed by seed: 0.74x (seed 0), 0.65x (seed 1), never (seed 2); median 0.74x." in text
+    assert len(text.splitlines()) == 1  # the best other arm is the base: one sentence
 
 
 def test_stop_at_target_ends_at_the_first_hit(tiny: Path) -> None:
@@ -302,17 +338,18 @@ def test_demo_both_arms(
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "SGD + KAISA" in captured.out and "time to 30.0%" in captured.out
+    assert "Summary over workloads" in captured.out
     results = _check_outputs(out)
     arms = results["arms"]
     assert isinstance(arms, dict)
-    for name in ("sgd", "kaisa"):
+    for name in ("sgd", "kaisa-sgd"):
         assert arms[name]["seeds"] == 2
         assert len(arms[name]["per_seed"]) == 2
     assert (
         arms["sgd"]["hyperparameters"]["weight_decay"]
-        == (arms["kaisa"]["hyperparameters"]["weight_decay"])
+        == (arms["kaisa-sgd"]["hyperparameters"]["weight_decay"])
     )
-    assert arms["kaisa"]["kfac_seconds_per_step"] > 0
+    assert arms["kaisa-sgd"]["kfac_seconds_per_step"] > 0
     assert results["shared"]["lockstep"] is not sequential  # type: ignore[index]
 
 
@@ -362,7 +399,7 @@ def test_demo_progress_on_a_terminal(tiny: Path, tmp_path: Path, columns: int) -
     screen = b"".join(chunks).decode(errors="replace")
     assert code == 0, err + screen
     assert "Traceback" not in err
-    for arm in ("sgd", "kaisa"):
+    for arm in ("sgd", "kaisa-sgd"):
         for epoch in (1, 2):
             assert f"{arm} seed 0 epoch {epoch}/2" in screen, screen
     bars = re.search(r"\| \d+/\d+ \[", screen) is not None  # tqdm's "| 8/8 [00:01<..."
@@ -376,10 +413,14 @@ def test_demo_progress_on_a_terminal(tiny: Path, tmp_path: Path, columns: int) -
 
 @pytest.mark.timeout(120)
 def test_demo_two_processes(tiny: Path, tmp_path: Path) -> None:
+    """Every arm runs under torchrun with DDP (one epoch, one seed)."""
     out = tmp_path / "out"
+    arms = tuple(a for a in ARM_NAMES if a != "soap" or importlib.util.find_spec("heavyball"))
     args = list(TINY_ARGS)
     args[args.index("--seeds") + 1] = "0"
     args[args.index("--threads") + 1] = "2"
+    args[args.index("--epochs") + 1] = "1"
+    args[args.index("--arms") + 1] = ",".join(arms)
     cmd = [sys.executable, "-m", "kaisa.cli", "demo", "--data-dir", str(tiny), "--out", str(out)]
     proc = subprocess.run(
         [*cmd, *args, "--nproc", "2", "--grad-worker-fraction", "0.5"],
@@ -392,10 +433,10 @@ def test_demo_two_processes(tiny: Path, tmp_path: Path) -> None:
     log = out / "torchrun.log"
     assert proc.returncode == 0, proc.stderr + (log.read_text() if log.exists() else "")
     assert "2 process(es) x 1 thread(s)" in proc.stdout
-    results = _check_outputs(out)
+    results = _check_outputs(out, arms, kfac={"grad_worker_fraction": 0.5})
     assert results["shared"]["nproc"] == 2  # type: ignore[index]
-    kfac = results["arms"]["kaisa"]["hyperparameters"]["kfac"]  # type: ignore[index]
-    assert kfac["grad_worker_fraction"] == 0.5
+    options = results["arms"]["kaisa-sgd"]["kfac_options"]  # type: ignore[index]
+    assert options["grad_worker_fraction"] == 0.5
 
 
 # --- bad input: one line, exit code 2, no traceback -------------------------------------
@@ -460,3 +501,307 @@ def test_bad_input_from_the_command_line(tmp_path: Path) -> None:
         assert "Traceback" not in proc.stderr
         assert proc.stderr.startswith("kaisa demo: error: ")
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+# --- the suite: configuration, arms, optimizers, learning rates, summary ---------------
+
+
+def _suite(*args: str) -> SuiteConfig:
+    return build_config(parse_args(["--out", "unused", *args]))
+
+
+def test_config_round_trip_with_every_arm() -> None:
+    suite = _suite(
+        "--workload", "gap_cnn,resnet20", "--arms", "kaisa,soap,muon,adamw,sgd,kaisa-adamw",
+        "--lr", "muon=0.03,adamw=0.004", "--damping", "0.01", "--kl-clip", "none", "--seeds",
+        "3,4", "--epochs", "2",
+    )  # fmt: skip
+    assert [w.name for w in suite.workloads] == ["gap_cnn", "resnet20"]
+    arms = suite.workloads[0].arms
+    assert [a.name for a in arms] == list(ARM_NAMES)  # canonical order, alias resolved
+    assert [a.optimizer for a in arms] == ["sgd", "adamw", "muon", "soap", "sgd", "adamw"]
+    by_name = {a.name: a for a in arms}
+    assert by_name["muon"].lr == 0.03 and by_name["muon"].lr_source == "command line"
+    assert by_name["muon"].hyperparameters()["adamw_lr"] == pytest.approx(0.003)
+    for name in ("kaisa-sgd", "kaisa-adamw"):
+        kfac = by_name[name].kfac
+        assert kfac is not None
+        assert kfac.overrides() == {"damping": 0.01, "kl_clip": None}
+        assert kfac.as_record() == {"damping": 0.01, "kl_clip": "off"}
+    assert all(by_name[n].kfac is None for n in ("sgd", "adamw", "muon", "soap"))
+    assert suite.workloads[1].out_dir == os.path.join("unused", "resnet20")
+    again = SuiteConfig.from_json(json.loads(json.dumps(suite.to_json())))
+    assert again == suite
+
+
+def test_kaisa_arms_pass_nothing_but_the_lr_by_default() -> None:
+    suite = _suite("--workload", "gap_cnn", "--arms", "kaisa-sgd,kaisa-adamw")
+    for arm in suite.workloads[0].arms:
+        assert arm.kfac is not None and arm.kfac.overrides() == {}
+        assert arm.hyperparameters()["kfac"] == {}
+
+
+def test_quick_preset_and_explicit_options() -> None:
+    quick = _suite("--quick")
+    assert [w.name for w in quick.workloads] == ["gap_cnn"]
+    w = quick.workloads[0]
+    assert [a.name for a in w.arms] == ["sgd", "adamw", "muon", "kaisa-sgd"]
+    assert (w.epochs, w.seeds, w.target_accuracy, w.stop_at_target) == (1, (0,), 0.85, True)
+    mine = _suite("--quick", "--arms", "sgd", "--target", "0.8", "--workload", "small_cnn")
+    w = mine.workloads[0]
+    assert [a.name for a in w.arms] == ["sgd"] and w.target_accuracy == 0.8
+    assert w.model == "small_cnn" and w.epochs == 1
+    full = _suite()
+    assert [c.name for c in full.workloads] == ["gap_cnn", "small_cnn", "resnet20"]
+    assert all(len(c.arms) == len(ARM_NAMES) and c.seeds == (0, 1, 2) for c in full.workloads)
+
+
+def test_model_is_a_deprecated_alias_of_one_workload(capsys: pytest.CaptureFixture[str]) -> None:
+    suite = _suite("--model", "small_cnn")
+    assert [w.name for w in suite.workloads] == ["small_cnn"]
+    assert suite.workloads[0].model == "small_cnn"
+    assert _suite("--model", "resnet32").workloads[0].model == "resnet32"
+
+
+def test_learning_rates_command_line_then_sweep_file_then_fallback(tmp_path: Path) -> None:
+    lrs = tmp_path / "lrs.json"
+    lrs.write_text(json.dumps({"lrs": {"gap_cnn": {
+        "sgd": {"lr": 0.2, "settings": {"epochs": 3, "target_accuracy": 0.91}},
+        "kaisa": {"lr": 0.07},
+    }}}))  # fmt: skip
+    suite = _suite("--workload", "gap_cnn,small_cnn", "--arms", "sgd,adamw,kaisa-sgd",
+                   "--lr-file", str(lrs), "--lr", "adamw=0.003")  # fmt: skip
+    gap, small = ({a.name: a for a in w.arms} for w in suite.workloads)
+    assert gap["sgd"].lr == 0.2 and gap["sgd"].lr_source.endswith("(3 epoch(s), target 91.0%)")
+    assert "sweep file" in gap["sgd"].lr_source
+    assert gap["kaisa-sgd"].lr == 0.07  # written under the old name
+    assert gap["adamw"].lr == 0.003 and gap["adamw"].lr_source == "command line"
+    assert small["sgd"].lr == FALLBACK_LRS["sgd"]
+    assert small["sgd"].lr_source.startswith("fallback")
+    assert _suite("--sgd-lr", "0.3", "--kaisa-lr", "0.02").workloads[0].arms[4].lr == 0.02
+
+
+def test_each_arm_builds_and_trains(tiny: Path) -> None:
+    """Every arm takes its steps on the tiny data (SOAP when heavyball is installed)."""
+    import torch
+
+    torch.set_num_threads(1)
+    data = load_fashion_mnist(str(tiny))
+    names = [a for a in ARM_NAMES if a != "soap" or importlib.util.find_spec("heavyball")]
+    arms = tuple(make_arm(name, FALLBACK_LRS[name]) for name in names)
+    config = DemoConfig(data_dir=str(tiny), out_dir="", arms=arms, epochs=1, batch_size=64,
+                        eval_every=2, target_accuracy=0.99, progress=False)  # fmt: skip
+    runs = train_arms_in_lockstep(data, config, arms, 0)
+    assert [r.arm for r in runs] == names
+    for run in runs:
+        assert run.steps == 4 and not run.diverged, run.arm
+        assert all(math.isfinite(p.train_loss) for p in run.points)
+        assert (run.kfac_seconds > 0) == run.arm.startswith("kaisa"), run.arm
+    by_name = {r.arm: r for r in runs}
+    assert by_name["muon"].optimizer_info["muon_conv_filters"]
+    assert by_name["kaisa-adamw"].kfac_options["lr"] == "callable"
+
+
+def test_schedule_reaches_every_param_group(tiny: Path) -> None:
+    """Muon's AdamW group follows the schedule at its fixed ratio of the Muon LR."""
+    import torch
+
+    from kaisa.demo.optimizers import build_optimizer
+    from kaisa.models import build_model
+
+    arm = make_arm("muon", 0.02)
+    opt, _ = build_optimizer(build_model("small_cnn", in_channels=1), arm)
+    scales = sorted(g["lr_scale"] for g in opt.param_groups)
+    assert scales == [MUON_ADAMW_LR_RATIO, 1.0, 1.0]  # AdamW, Muon (2-D), ConvMuon (4-D)
+    kinds = {type(o).__name__ for o in opt.optimizers}  # type: ignore[attr-defined]
+    assert kinds == {"Muon", "ConvMuon", "AdamW"}
+    assert isinstance(opt.optimizers[0], torch.optim.Muon)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("model", "matrices", "filters", "adamw_weights"),
+    [
+        ("small_cnn", ["classifier.1.weight"], ["features.3.weight"],
+         ["features.0.weight", "classifier.3.weight"]),
+        ("gap_cnn", [], [f"features.{i}.weight" for i in (3, 7, 10, 14, 17)],
+         ["features.0.weight", "classifier.1.weight"]),
+        ("resnet20", [], [f"layer{s}.{b}.conv{c}.weight" for s in (1, 2, 3) for b in range(3)
+                          for c in (1, 2)],
+         ["conv1.weight", "fc.weight"]),
+    ],
+)  # fmt: skip
+def test_muon_param_split(
+    model: str, matrices: list[str], filters: list[str], adamw_weights: list[str]
+) -> None:
+    """Hidden weights to Muon (2-D: torch's; conv filters: ConvMuon); the rest to AdamW."""
+    from torch import nn
+
+    from kaisa.demo.optimizers import muon_param_split
+    from kaisa.models import build_model
+
+    net = build_model(model, in_channels=1)
+    split = muon_param_split(net)
+    assert list(split.matrices) == matrices
+    assert sorted(split.filters) == sorted(filters)
+    names = dict(net.named_parameters())
+    assert {n for n in split.adamw if names[n].ndim >= 2} == set(adamw_weights)
+    # Biases and norm parameters all go to AdamW; nothing is lost or doubled.
+    assert all(names[n].ndim == 1 for n in split.adamw if n not in adamw_weights)
+    assert sorted([*split.matrices, *split.filters, *split.adamw]) == sorted(names)
+    norms = [n for n, m in net.named_modules() if isinstance(m, nn.BatchNorm2d)]
+    assert all(f"{n}.weight" in split.adamw for n in norms)
+
+
+def test_conv_muon_is_torch_muon_on_a_matrix_and_orthogonalises() -> None:
+    """On a 2-D parameter ConvMuon takes torch.optim.Muon's step (up to bf16 vs fp32)."""
+    import torch
+
+    from kaisa.demo.optimizers import ConvMuon, newton_schulz
+
+    torch.manual_seed(0)
+    w0 = torch.randn(16, 24)
+    grads = [torch.randn(16, 24) for _ in range(3)]
+    mine, ref = w0.clone().requires_grad_(), w0.clone().requires_grad_()
+    opt_a = ConvMuon([mine], lr=0.02, weight_decay=0.01)
+    opt_b = torch.optim.Muon([ref], lr=0.02, weight_decay=0.01)
+    for g in grads:
+        mine.grad, ref.grad = g.clone(), g.clone()
+        opt_a.step()
+        opt_b.step()
+    step_a, step_b = mine.detach() - w0, ref.detach() - w0
+    assert torch.linalg.norm(step_a - step_b) < 0.05 * torch.linalg.norm(step_b)
+    # Singular values of the orthogonalised matrix near 1 (Muon's iteration: about 0.7-1.2).
+    s = torch.linalg.svdvals(newton_schulz(torch.randn(40, 12)))
+    assert float(s.min()) > 0.5 and float(s.max()) < 1.3
+    # A conv filter bank is handled as its (out, in*kh*kw) matrix.
+    filt = torch.randn(8, 4, 3, 3, requires_grad=True)
+    filt.grad = torch.randn(8, 4, 3, 3)
+    before = filt.detach().clone()
+    ConvMuon([filt], lr=0.1).step()
+    update = (before - filt.detach()).reshape(8, -1) / 0.1
+    assert torch.allclose(update, newton_schulz(filt.grad.reshape(8, -1) * 0.05), atol=1e-5)
+
+
+def _arm_result(time: float | None, by_seed: dict[int, float | None], **extra: object) -> dict:
+    per_seed = [{"seed": s, "time_to_target_s": t} for s, t in by_seed.items()]
+    return {"time_to_target_s": time, "per_seed": per_seed, **extra}
+
+
+def test_compare_arms_against_the_best_other_arm() -> None:
+    arms = {
+        "sgd": _arm_result(100.0, {0: 100.0, 1: 90.0}),
+        "adamw": _arm_result(80.0, {0: 80.0, 1: 85.0}),
+        "muon": _arm_result(None, {0: None, 1: 70.0}),
+        "kaisa-sgd": _arm_result(60.0, {0: 60.0, 1: 68.0}),
+        "kaisa-adamw": _arm_result(90.0, {0: 90.0, 1: None}),
+    }
+    comp = compare_arms(arms)
+    # kaisa arms: the best arm without K-FAC (AdamW), not the faster kaisa-sgd.
+    assert comp["kaisa-sgd"]["vs_best"]["arm"] == "adamw"
+    assert comp["kaisa-sgd"]["vs_best"]["time_ratio"] == pytest.approx(0.75)
+    assert comp["kaisa-sgd"]["vs_best"]["per_seed"] == {
+        "0": pytest.approx(0.75), "1": pytest.approx(0.8)}  # fmt: skip
+    assert comp["kaisa-sgd"]["vs_base"]["arm"] == "sgd"
+    assert comp["kaisa-sgd"]["vs_base"]["time_ratio"] == pytest.approx(0.6)
+    assert comp["kaisa-adamw"]["vs_best"]["arm"] == "adamw"
+    assert comp["kaisa-adamw"]["vs_best"]["time_ratio"] == pytest.approx(90 / 80)
+    assert comp["kaisa-adamw"]["vs_best"]["per_seed"] == {"0": pytest.approx(90 / 80), "1": None}
+    # Other arms: the best arm but themselves, kaisa arms included.
+    assert comp["sgd"]["vs_best"]["arm"] == "kaisa-sgd"
+    assert comp["sgd"]["vs_best"]["time_ratio"] == pytest.approx(100 / 60)
+    assert comp["adamw"]["vs_best"]["arm"] == "kaisa-sgd"
+    muon = comp["muon"]["vs_best"]
+    assert muon["arm"] == "kaisa-sgd" and muon["time_ratio"] is None
+    assert muon["per_seed"] == {"0": None, "1": pytest.approx(70 / 68)}
+    assert "vs_base" not in comp["sgd"]
+    # Nobody else reached the target: no arm to compare with.
+    alone = compare_arms({"sgd": _arm_result(50.0, {0: 50.0}), "adamw": _arm_result(None, {})})
+    assert alone["sgd"]["vs_best"]["arm"] is None and alone["adamw"]["vs_best"]["arm"] == "sgd"
+
+
+def test_summary_rows_over_workloads() -> None:
+    def results(workload: str, times: dict[str, float | None]) -> dict:
+        arms = {}
+        for name, t in times.items():
+            arm = _arm_result(t, {0: t}, seeds=1, seeds_reaching_target=int(t is not None),
+                              steps_to_target=None if t is None else 10 * t,
+                              seconds_per_step=0.05, hyperparameters={"lr": 0.1})  # fmt: skip
+            if name.startswith("kaisa"):
+                arm.update(kfac_share=0.2, kfac_phase_seconds={"precondition": 1.5})
+            arms[name] = arm
+        return {"workload": workload, "target_accuracy": 0.9, "arm_order": list(times),
+                "arms": arms, "comparisons": compare_arms(arms), "provisional": True,
+                "shared": {"epochs": 3, "seeds": [0], "stop_at_target": True}}  # fmt: skip
+
+    docs = [results("gap_cnn", {"sgd": 100.0, "kaisa-sgd": 50.0}),
+            results("resnet20", {"sgd": None, "kaisa-sgd": 40.0})]  # fmt: skip
+    summary = summarize_suite(docs)
+    rows = {(r["workload"], r["arm"]): r for r in summary["rows"]}
+    assert list(rows) == [("gap_cnn", "sgd"), ("gap_cnn", "kaisa-sgd"),
+                          ("resnet20", "sgd"), ("resnet20", "kaisa-sgd")]  # fmt: skip
+    assert rows["gap_cnn", "kaisa-sgd"]["ratio"] == pytest.approx(0.5)
+    assert rows["gap_cnn", "kaisa-sgd"]["vs"] == "sgd"
+    assert rows["gap_cnn", "sgd"]["ratio"] == pytest.approx(2.0)
+    assert rows["gap_cnn", "kaisa-sgd"]["kfac_share"] == 0.2
+    assert rows["gap_cnn", "kaisa-sgd"]["ms_per_step"] == pytest.approx(50.0)
+    assert rows["resnet20", "kaisa-sgd"]["vs"] is None  # SGD never reached it
+    assert rows["resnet20", "sgd"]["ratio"] is None and rows["resnet20", "sgd"]["vs"] == "kaisa-sgd"
+    text = format_summary(summary)
+    assert "0.50x sgd" in text and "never" in text and "(none)" in text
+    assert "precondition 1.50 s" in text
+    assert "| resnet20 | SGD + KAISA | 1/1 | 400 | 50.0 | 40.0 s | (none) | 20% |" in (
+        summary_markdown(summary)
+    )
+
+
+# --- bad arms and workloads, SOAP without heavyball ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--arms", "sgd,lion"], "argument --arms: unknown arm 'lion'; allowed: sgd, adamw, muon,"),
+        (["--arms", ","], "argument --arms: expected a comma-separated list"),
+        (["--workload", "vgg"], "argument --workload: unknown workload 'vgg'; allowed: gap_cnn,"),
+        (["--lr", "lion=0.1"], "argument --lr: unknown arm 'lion'"),
+        (["--lr", "sgd"], "argument --lr: expected ARM=LR pairs"),
+        (["--lr", "sgd=-1"], "argument --lr: expected a positive number"),
+        (["--model", "gap_cnn", "--workload", "gap_cnn"], "give only --workload"),
+        (["--lr-file", "/nonexistent/lrs.json"], "argument --lr-file: /nonexistent/lrs.json"),
+    ],
+)
+def test_bad_arm_workload_or_lr_is_one_clear_line(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], expected: str
+) -> None:
+    code = main(["--data-dir", str(tiny), "--out", str(tmp_path / "out"), *args])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("kaisa demo: error: ") and expected in lines[0], lines[0]
+
+
+def test_bad_lr_file_is_one_clear_line(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "lrs.json"
+    bad.write_text(json.dumps({"lrs": {"gap_cnn": {"sgd": {"lr": "fast"}}}}))
+    code = main(["--data-dir", str(tiny), "--out", str(tmp_path / "o"), "--lr-file", str(bad)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "'lrs.gap_cnn.sgd.lr' must be a positive number" in err
+
+
+def test_soap_without_heavyball(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kaisa.demo.optimizers import MissingDependencyError, build_optimizer
+    from kaisa.models import build_model
+
+    monkeypatch.setitem(sys.modules, "heavyball", None)  # `import heavyball` raises ImportError
+    code = main(["--data-dir", str(tiny), "--out", str(tmp_path / "o"), "--arms", "sgd,soap"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert "arm 'soap' needs heavyball" in lines[0]
+    assert "pip install -c constraints.txt heavyball" in lines[0]
+    with pytest.raises(MissingDependencyError, match=r"pip install -c constraints\.txt heavyball"):
+        build_optimizer(build_model("gap_cnn", in_channels=1), make_arm("soap", 1e-3))
+    # Without soap among the arms heavyball is not needed.
+    assert _suite("--arms", "sgd,muon").workloads[0].arms[1].name == "muon"

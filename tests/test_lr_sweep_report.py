@@ -120,3 +120,65 @@ def test_channels_last_runs_are_their_own_rows(lr_sweep: ModuleType) -> None:
     labels = sorted(r["settings"] for r in rows)
     assert labels == ["lr=0.05 [channels_last] [to target]", "lr=0.05 [to target]"]
     assert lr_sweep._key(layout_runs[0]) != lr_sweep._key(runs[2])
+
+
+def _suite_record(
+    arm: str,
+    lr: float,
+    steps: int | None,
+    acc: float,
+    *,
+    workload: str = "gap_cnn",
+    epochs: int = 3,
+) -> dict[str, Any]:
+    return {
+        "suite": True,
+        "arm": arm,
+        "seed": 0,
+        "hyperparameters": {"lr": lr},
+        "config": {"workload": workload, "model": workload, "epochs": epochs, "threads": 2},
+        "kfac_options": {},
+        "result": {
+            "steps_to_target": steps,
+            "time_to_target_s": None if steps is None else steps / 10,
+            "final_test_accuracy": acc,
+            "best_test_accuracy": acc,
+        },
+    }
+
+
+def test_suite_best_ranks_by_steps_then_accuracy_and_flags_the_grid_edge(
+    lr_sweep: ModuleType, tmp_path: Path
+) -> None:
+    from kaisa.demo.config import read_lr_table, resolve_lr
+
+    settings = {"workload": "gap_cnn", "model": "gap_cnn", "epochs": 3, "threads": 1}
+    runs = [
+        _suite_record("adamw", 5e-4, None, 0.90),
+        _suite_record("adamw", 1e-3, 700, 0.911),
+        _suite_record("adamw", 2e-3, 600, 0.910),
+        _suite_record("adamw", 4e-3, 600, 0.915),  # same steps, higher accuracy: best
+        _suite_record("adamw", 8e-3, None, 0.905),
+        _suite_record("adamw", 4e-3, 100, 0.95, epochs=1),  # other settings: ignored
+        _suite_record("sgd", 0.4, 500, 0.92),
+        _suite_record("sgd", 0.1, None, 0.88),
+        _suite_record("sgd", 0.025, None, 0.89),
+    ]
+    best = lr_sweep.suite_best(runs, "gap_cnn", "adamw", settings)
+    assert best["lr"] == 4e-3 and best["steps_to_target"] == 600 and not best["at_grid_edge"]
+    assert best["by_lr"] == {"0.0005": None, "0.001": 700, "0.002": 600, "0.004": 600,
+                             "0.008": None}  # fmt: skip
+    sgd = lr_sweep.suite_best(runs, "gap_cnn", "sgd", settings)
+    assert sgd["lr"] == 0.4 and sgd["at_grid_edge"]
+    assert lr_sweep.suite_best(runs, "resnet20", "sgd", settings) is None
+    # Nothing reached the target: the best accuracy wins.
+    missed = [_suite_record("muon", lr, None, acc) for lr, acc in ((0.01, 0.8), (0.02, 0.85))]
+    assert lr_sweep.suite_best(missed, "gap_cnn", "muon", settings)["lr"] == 0.02
+
+    path = tmp_path / "lrs.json"
+    lr_sweep._write_lrs(path, {("gap_cnn", "adamw"): best})
+    lr_sweep._write_lrs(path, {("gap_cnn", "sgd"): sgd})  # merged, not replaced
+    table = read_lr_table(path)
+    assert {arm: lr for arm, (lr, _) in table["gap_cnn"].items()} == {"sgd": 0.4, "adamw": 4e-3}
+    lr, source = resolve_lr("gap_cnn", "sgd", {}, table, "sweep file x")
+    assert lr == 0.4 and source == "sweep file x (3 epoch(s), at the grid's edge)"

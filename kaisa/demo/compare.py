@@ -1,14 +1,21 @@
-"""Run both arms over all seeds and summarise them as ``results.json`` holds them.
+"""Run every arm over all seeds and summarise them as ``results.json`` holds them.
 
 For each seed the arms train in lockstep, one step of each in turn
 (:func:`~kaisa.demo.train.train_arms_in_lockstep`), so that a change in the
-machine's load during the comparison slows both arms alike; with
+machine's load during the comparison slows all arms alike; with
 ``DemoConfig.lockstep`` off they run one after the other (``sgd`` seed 0,
-``kaisa`` seed 0, ``sgd`` seed 1, ...), each with the process to itself.
+``adamw`` seed 0, ..., ``sgd`` seed 1, ...), each with the process to itself.
 
 Summaries are medians over seeds; a seed that never reached the target
 counts as an infinite time, so the median time to target is ``null`` when
 fewer than half the seeds reached it.
+
+Each arm is compared with the best *other* arm (:func:`compare_arms`): a
+kaisa arm with the best arm without K-FAC (K-FAC's value is whether it beats
+every plain optimizer, not just its own base), any other arm with the best
+arm but itself. "Best" is the smallest median time to the target. The kaisa
+arms are also compared with their own base optimizer (``vs_base``).
+:func:`summarize_suite` collects these rows over workloads.
 """
 
 from __future__ import annotations
@@ -23,11 +30,17 @@ from typing import Any
 
 import torch
 
-from kaisa.demo.config import DemoConfig
+from kaisa.demo.config import KAISA_ARMS, WORKLOADS, DemoConfig
 from kaisa.demo.data import FashionMNIST
 from kaisa.demo.train import DistContext, RunResult, train_arm, train_arms_in_lockstep
 
-__all__ = ["machine_info", "run_comparison", "summarize"]
+__all__ = [
+    "compare_arms",
+    "machine_info",
+    "run_comparison",
+    "summarize",
+    "summarize_suite",
+]
 
 
 def run_comparison(
@@ -35,14 +48,19 @@ def run_comparison(
 ) -> list[RunResult]:
     """Train every arm of ``config`` for every seed; the runs in the order made."""
     runs: list[RunResult] = []
+    stop = config.stop_at_target
     for seed in config.seeds:
         if config.lockstep:
             runs += train_arms_in_lockstep(
-                data, config, config.arms, seed, dist, progress=config.progress
+                data, config, config.arms, seed, dist, progress=config.progress, stop_at_target=stop
             )
             continue
         for arm in config.arms:
-            runs.append(train_arm(data, config, arm, seed, dist, progress=config.progress))
+            runs.append(
+                train_arm(
+                    data, config, arm, seed, dist, progress=config.progress, stop_at_target=stop
+                )
+            )
     return runs
 
 
@@ -61,18 +79,18 @@ def _median_known(values: Sequence[float | None]) -> float | None:
 
 
 def _paired_ratios(
-    sgd: Sequence[dict[str, Any]], kaisa: Sequence[dict[str, Any]]
+    base: Sequence[dict[str, Any]], other: Sequence[dict[str, Any]]
 ) -> dict[str, float | None]:
-    """KAISA's time to the target over SGD's, seed by seed (same seed, same data order).
+    """``other``'s time to the target over ``base``'s, seed by seed (same seed, same data).
 
     Keyed by the seed as a string (JSON keys are strings). A seed that only
-    SGD reached gives ``None`` (an infinite ratio, as in the medians); one
-    that KAISA reached and SGD did not gives ``0.0``; one neither reached is
-    left out.
+    ``base`` reached gives ``None`` (an infinite ratio, as in the medians); one
+    that ``other`` reached and ``base`` did not gives ``0.0``; one neither
+    reached, or that ``base`` has no run for, is left out.
     """
-    times = {row["seed"]: row["time_to_target_s"] for row in sgd}
+    times = {row["seed"]: row["time_to_target_s"] for row in base}
     out: dict[str, float | None] = {}
-    for row in kaisa:
+    for row in other:
         seed, k = row["seed"], row["time_to_target_s"]
         if seed not in times:
             continue
@@ -85,6 +103,52 @@ def _paired_ratios(
             out[str(seed)] = 0.0
         elif s > 0:
             out[str(seed)] = k / s
+    return out
+
+
+def _ratio_to(arms: dict[str, Any], name: str, other: str | None) -> dict[str, Any]:
+    """``name``'s median time to the target over ``other``'s, and the same seed by seed."""
+    if other is None:
+        return {"arm": None, "time_ratio": None, "per_seed": {}, "per_seed_median": None}
+    mine, theirs = arms[name]["time_to_target_s"], arms[other]["time_to_target_s"]
+    ratio = mine / theirs if mine is not None and theirs else None
+    paired = _paired_ratios(arms[other]["per_seed"], arms[name]["per_seed"])
+    return {
+        "arm": other,
+        "time_ratio": ratio,
+        "per_seed": paired,
+        "per_seed_median": _median(list(paired.values())) if paired else None,
+    }
+
+
+def compare_arms(arms: dict[str, Any]) -> dict[str, Any]:
+    """Each arm against the best other arm (and a kaisa arm against its base optimizer).
+
+    ``arms`` maps an arm's name to at least ``time_to_target_s`` (median over
+    seeds, ``None`` if not reached) and ``per_seed`` (rows with ``seed`` and
+    ``time_to_target_s``), as in ``results.json``. Returns per arm
+    ``{"vs_best": {...}, "vs_base": {...}}`` (``vs_base`` for kaisa arms whose
+    base arm ran) where each comparison has ``arm`` (the other arm, ``None``
+    if none reached the target), ``time_ratio`` (mine over theirs, ``None`` if
+    I did not reach it), ``per_seed`` and ``per_seed_median``. The best other
+    arm is the one with the smallest median time among the candidates: for a
+    kaisa arm every arm without K-FAC, for any other arm every arm but itself;
+    ties go to the earlier arm.
+    """
+    out: dict[str, Any] = {}
+    for name in arms:
+        if name in KAISA_ARMS:
+            candidates = [a for a in arms if a not in KAISA_ARMS]
+        else:
+            candidates = [a for a in arms if a != name]
+        timed = [(arms[a]["time_to_target_s"], i, a) for i, a in enumerate(candidates)]
+        reached = [t for t in timed if t[0] is not None]
+        best = min(reached)[2] if reached else None
+        entry: dict[str, Any] = {"vs_best": _ratio_to(arms, name, best)}
+        base = KAISA_ARMS.get(name)
+        if base is not None and base in arms:
+            entry["vs_base"] = _ratio_to(arms, name, base)
+        out[name] = entry
     return out
 
 
@@ -113,6 +177,14 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def _phase_medians(rows: list[dict[str, Any]]) -> dict[str, float]:
+    phases = sorted({k for row in rows for k in row["kfac_phase_seconds"]})
+    return {
+        p: statistics.median([float(row["kfac_phase_seconds"].get(p, 0.0)) for row in rows])
+        for p in phases
+    }
+
+
 def summarize(
     config: DemoConfig,
     runs: Sequence[RunResult],
@@ -130,7 +202,7 @@ def summarize(
             return [row[key] for row in rows]
 
         reached = sum(1 for v in col("time_to_target_s") if v is not None)
-        arms[arm.name] = {
+        entry: dict[str, Any] = {
             "time_to_target_s": _median(col("time_to_target_s")),
             "steps_to_target": _median(col("steps_to_target")),
             "epochs_to_target": _median(col("epochs_to_target")),
@@ -143,35 +215,36 @@ def summarize(
             "seeds_reaching_target": reached,
             "seeds": len(mine),
             "hyperparameters": arm.hyperparameters(),
-            "per_seed": per_seed,
+            "optimizer_info": mine[0].optimizer_info if mine else {},
         }
-    ratio = None
-    paired: dict[str, float | None] = {}
-    names = [a.name for a in config.arms]
-    if "sgd" in arms and "kaisa" in arms:
-        s, k = arms["sgd"]["time_to_target_s"], arms["kaisa"]["time_to_target_s"]
-        if s is not None and k is not None and s > 0:
-            ratio = k / s
-        paired = _paired_ratios(arms["sgd"]["per_seed"], arms["kaisa"]["per_seed"])
+        if arm.kfac is not None:
+            entry["kfac_share"] = _median_known(col("kfac_share"))
+            entry["kfac_phase_seconds"] = _phase_medians(per_seed)
+            entry["kfac_options"] = mine[0].kfac_options if mine else {}
+        entry["per_seed"] = per_seed
+        arms[arm.name] = entry
     steps_per_epoch = runs[0].steps_per_epoch if runs else None
+    workload = WORKLOADS.get(config.name)
     return {
+        "workload": config.name,
         "target_accuracy": target,
-        "kaisa_time_ratio": ratio,
-        "kaisa_time_ratio_per_seed": paired,
-        "kaisa_time_ratio_per_seed_median": _median(list(paired.values())) if paired else None,
+        "provisional": workload.provisional if workload else None,
+        "workload_note": workload.note if workload else "",
+        "comparisons": compare_arms(arms),
         "arms": arms,
-        "arm_order": names,
+        "arm_order": [a.name for a in config.arms],
         "shared": {
             "model": config.model,
             "epochs": config.epochs,
             "batch_size": config.batch_size,
             "steps_per_epoch": steps_per_epoch,
             "warmup_epochs": config.warmup_epochs,
-            "lr_schedule": "linear warm-up, then cosine to 0 (per step)",
+            "lr_schedule": "linear warm-up, then cosine to 0 (per step), on each arm's peak",
             "eval_every_steps": config.eval_every,
             "eval_every_steps_near_target": config.eval_every_near
             or max(1, config.eval_every // 4),
             "near_target_margin": config.near_margin,
+            "stop_at_target": config.stop_at_target,
             "seeds": list(config.seeds),
             "threads_per_process": config.threads,
             "nproc": config.nproc,
@@ -179,11 +252,72 @@ def summarize(
             "quick": config.quick,
             "channels_last": config.channels_last,
             "lockstep": config.lockstep,
+            "muon_conv_filters": "Muon (kaisa.demo.optimizers.ConvMuon on (out, in*kh*kw))",
         },
         "machine": {
             "at_start": machine_before,
             "at_end": machine_info(),
         },
+        "wall_seconds": wall_seconds,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def summarize_suite(
+    results: Sequence[dict[str, Any]],
+    machine_before: dict[str, Any] | None = None,
+    wall_seconds: float | None = None,
+) -> dict[str, Any]:
+    """``summary.json``: one row per (workload, arm) from the workloads' ``results.json``.
+
+    Each row has the medians over seeds (steps and time to the target, ms per
+    step), the ratio to the best other arm (:func:`compare_arms`; ``ratio``
+    and ``vs``), and for kaisa arms K-FAC's share of the training clock and
+    its per-phase seconds (medians over seeds), plus the ratio to the base
+    optimizer (``base_ratio``, ``base``).
+    """
+    rows: list[dict[str, Any]] = []
+    for res in results:
+        for name in res["arm_order"]:
+            arm = res["arms"][name]
+            comp = res["comparisons"][name]
+            spp = arm["seconds_per_step"]
+            row: dict[str, Any] = {
+                "workload": res["workload"],
+                "arm": name,
+                "target_accuracy": res["target_accuracy"],
+                "seeds": arm["seeds"],
+                "seeds_reaching_target": arm["seeds_reaching_target"],
+                "steps_to_target": arm["steps_to_target"],
+                "ms_per_step": None if spp is None else 1000.0 * spp,
+                "time_to_target_s": arm["time_to_target_s"],
+                "ratio": comp["vs_best"]["time_ratio"],
+                "vs": comp["vs_best"]["arm"],
+                "ratio_per_seed_median": comp["vs_best"]["per_seed_median"],
+                "lr": arm["hyperparameters"]["lr"],
+                "lr_source": arm["hyperparameters"].get("lr_source", ""),
+            }
+            if "vs_base" in comp:
+                row["base"] = comp["vs_base"]["arm"]
+                row["base_ratio"] = comp["vs_base"]["time_ratio"]
+            if "kfac_share" in arm:
+                row["kfac_share"] = arm["kfac_share"]
+                row["kfac_phase_seconds"] = arm["kfac_phase_seconds"]
+            rows.append(row)
+    return {
+        "rows": rows,
+        "workloads": {
+            r["workload"]: {
+                "target_accuracy": r["target_accuracy"],
+                "epochs": r["shared"]["epochs"],
+                "provisional": r["provisional"],
+                "results": f"{r['workload']}/results.json",
+            }
+            for r in results
+        },
+        "seeds": results[0]["shared"]["seeds"] if results else [],
+        "stop_at_target": results[0]["shared"]["stop_at_target"] if results else None,
+        "machine": {"at_start": machine_before, "at_end": machine_info()},
         "wall_seconds": wall_seconds,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

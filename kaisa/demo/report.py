@@ -1,4 +1,11 @@
-"""What the demo leaves behind: the table, ``results.json``, the CSV and the plot."""
+"""What the suite leaves behind: tables, ``results.json``, the CSV, the plot and the summary.
+
+Per workload (``OUT/<workload>/``): ``results.json``, ``evaluations.csv`` and
+``accuracy.png`` (test accuracy against training time and against epochs,
+one colour per arm, its median seed drawn bold and the other seeds faint),
+and a table printed at the end of the workload. Over all workloads
+(``OUT/``): ``summary.json`` and ``summary.md``, one row per (workload, arm).
+"""
 
 from __future__ import annotations
 
@@ -9,15 +16,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kaisa.demo.config import KAISA_ARMS
 from kaisa.demo.train import RunResult
 
 __all__ = [
     "CSV_FIELDS",
+    "LABELS",
+    "format_summary",
     "format_table",
+    "summary_markdown",
+    "verdict",
     "write_csv",
     "write_outputs",
     "write_plot",
     "write_results",
+    "write_summary",
 ]
 
 CSV_FIELDS = (
@@ -32,8 +45,28 @@ CSV_FIELDS = (
 )
 """Columns of ``evaluations.csv``: one row per evaluation on the test set."""
 
-_LABELS = {"sgd": "SGD", "kaisa": "SGD + KAISA"}
-_COLORS = {"sgd": "tab:blue", "kaisa": "tab:red"}
+LABELS = {
+    "sgd": "SGD",
+    "adamw": "AdamW",
+    "muon": "Muon + AdamW",
+    "soap": "SOAP",
+    "kaisa-sgd": "SGD + KAISA",
+    "kaisa-adamw": "AdamW + KAISA",
+}
+"""How tables and plots name the arms."""
+
+_COLORS = {
+    "sgd": "tab:blue",
+    "adamw": "tab:green",
+    "muon": "tab:purple",
+    "soap": "tab:orange",
+    "kaisa-sgd": "tab:red",
+    "kaisa-adamw": "tab:brown",
+}
+
+
+def _label(name: str) -> str:
+    return LABELS.get(name, name)
 
 
 def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
@@ -42,84 +75,138 @@ def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
     return format(value * scale, spec)
 
 
-def format_table(results: dict[str, Any]) -> str:
-    """The end-of-run table (medians over seeds) and a one-line verdict."""
-    target = results["target_accuracy"]
-    header = (
-        "arm",
-        "reached",
-        f"time to {target:.1%}",
-        "epochs to target",
-        "final test acc",
-        "ms/step",
-        "K-FAC ms/step",
-        "peak mem MB",
-    )
-    rows = [header]
-    for name, arm in results["arms"].items():
-        kfac = arm["kfac_seconds_per_step"] if "kfac" in arm["hyperparameters"] else None
-        rows.append(
-            (
-                _LABELS.get(name, name),
-                f"{arm['seeds_reaching_target']}/{arm['seeds']}",
-                _fmt(arm["time_to_target_s"], ".1f") + (" s" if arm["time_to_target_s"] else ""),
-                _fmt(arm["epochs_to_target"], ".2f"),
-                _fmt(arm["final_test_accuracy"], ".2%"),
-                _fmt(arm["seconds_per_step"], ".1f", 1000.0),
-                _fmt(kfac, ".1f", 1000.0),
-                _fmt(arm["peak_memory_mb"], ".0f"),
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+def _ratio_text(ratio: float | None, other: str | None, reached: bool) -> str:
+    if not reached:
+        return "never"
+    if other is None:
+        return "(none)"
+    if ratio is None:
+        return "-"
+    return f"{ratio:.2f}x {other}"
+
+
+def _grid(rows: Sequence[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for j, row in enumerate(rows):
         cells = [row[0].ljust(widths[0])] + [
             c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
         ]
-        lines.append("  ".join(cells))
+        lines.append("  ".join(cells).rstrip())
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
-    seeds = results["shared"]["seeds"]
-    lines.append(
-        f"(median over {len(seeds)} seed{'s' if len(seeds) != 1 else ''}; "
-        "training clock, evaluation excluded)"
+    return lines
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """One workload's end-of-run table (medians over seeds) and its verdict lines."""
+    target = results["target_accuracy"]
+    header = (
+        "arm",
+        "peak lr",
+        "reached",
+        f"time to {target:.1%}",
+        "steps",
+        "final test acc",
+        "ms/step",
+        "K-FAC ms/step",
+        "K-FAC share",
+        "vs best other",
+        "peak mem MB",
     )
-    lines.append(verdict(results))
+    rows = [header]
+    for name, arm in results["arms"].items():
+        kfac = "kfac_share" in arm
+        comp = results["comparisons"][name]["vs_best"]
+        rows.append(
+            (
+                _label(name),
+                f"{arm['hyperparameters']['lr']:g}",
+                f"{arm['seeds_reaching_target']}/{arm['seeds']}",
+                _fmt(arm["time_to_target_s"], ".1f") + (" s" if arm["time_to_target_s"] else ""),
+                _fmt(arm["steps_to_target"], ".0f"),
+                _fmt(arm["final_test_accuracy"], ".2%"),
+                _fmt(arm["seconds_per_step"], ".1f", 1000.0),
+                _fmt(arm["kfac_seconds_per_step"] if kfac else None, ".1f", 1000.0),
+                _fmt(arm.get("kfac_share"), ".0%"),
+                _ratio_text(comp["time_ratio"], comp["arm"], arm["time_to_target_s"] is not None),
+                _fmt(arm["peak_memory_mb"], ".0f"),
+            )
+        )
+    lines = [f"{results['workload']}: target {target:.1%}, {results['shared']['epochs']} epoch(s)"
+             + (" (provisional target/budget)" if results.get("provisional") else "")]  # fmt: skip
+    lines += _grid(rows)
+    seeds = results["shared"]["seeds"]
+    note = (
+        f"(median over {len(seeds)} seed{'s' if len(seeds) != 1 else ''}; "
+        "training clock, evaluation excluded"
+    )
+    if results["shared"].get("stop_at_target"):
+        note += "; runs stop at the target, so 'final' is the accuracy there"
+    lines.append(note + ")")
+    text = verdict(results)
+    if text:
+        lines.append(text)
     return "\n".join(lines)
 
 
-def verdict(results: dict[str, Any]) -> str:
-    """One sentence comparing the arms' median time to the target."""
+def _sentence(results: dict[str, Any], name: str, key: str) -> str:
     arms = results["arms"]
     target = results["target_accuracy"]
-    if "sgd" not in arms or "kaisa" not in arms:
-        return ""
-    s, k = arms["sgd"]["time_to_target_s"], arms["kaisa"]["time_to_target_s"]
-    if s is None and k is None:
-        return f"Neither arm reached {target:.1%} test accuracy within the epoch budget."
-    if k is None:
-        return f"SGD + KAISA did not reach {target:.1%}; SGD did in {s:.1f} s."
-    if s is None:
-        return f"SGD did not reach {target:.1%}; SGD + KAISA did in {k:.1f} s."
-    ratio = k / s
+    comp = results["comparisons"][name][key]
+    other = comp["arm"]
+    me = _label(name)
+    mine = arms[name]["time_to_target_s"]
+    if other is None:
+        if mine is None:
+            return f"{me} did not reach {target:.1%}, nor did any arm it is compared with."
+        return f"{me} reached {target:.1%} in {mine:.1f} s; no arm it is compared with did."
+    theirs = arms[other]["time_to_target_s"]
+    if mine is None and theirs is None:
+        return f"Neither {me} nor {_label(other)} reached {target:.1%}."
+    if mine is None:
+        return f"{me} did not reach {target:.1%}; {_label(other)} did in {theirs:.1f} s."
+    if theirs is None:
+        return f"{me} reached {target:.1%} in {mine:.1f} s; {_label(other)} did not."
+    ratio = comp["time_ratio"]
     if ratio <= 1.0:
         text = (
-            f"SGD + KAISA reached {target:.1%} in {ratio:.2f}x SGD's time "
-            f"({k:.1f} s vs {s:.1f} s, {1 - ratio:.1%} less)."
+            f"{me} reached {target:.1%} in {ratio:.2f}x {_label(other)}'s time "
+            f"({mine:.1f} s vs {theirs:.1f} s, {1 - ratio:.1%} less)."
         )
     else:
         text = (
-            f"SGD + KAISA took {ratio:.2f}x SGD's time to reach {target:.1%} "
-            f"({k:.1f} s vs {s:.1f} s)."
+            f"{me} took {ratio:.2f}x {_label(other)}'s time to reach {target:.1%} "
+            f"({mine:.1f} s vs {theirs:.1f} s)."
         )
-    paired = results.get("kaisa_time_ratio_per_seed") or {}
+    paired = comp["per_seed"]
     if len(paired) > 1:
         each = ", ".join(
             f"{'never' if r is None else f'{r:.2f}x'} (seed {seed})" for seed, r in paired.items()
         )
-        median = results.get("kaisa_time_ratio_per_seed_median")
+        median = comp["per_seed_median"]
         text += f" Seed by seed: {each}; median {'-' if median is None else f'{median:.2f}x'}."
     return text
+
+
+def verdict(results: dict[str, Any]) -> str:
+    """Sentences comparing each kaisa arm with the best arm without K-FAC and with its base.
+
+    Empty when no kaisa arm ran, or when nothing else ran to compare with.
+    """
+    lines: list[str] = []
+    for name in results["arms"]:
+        if name not in KAISA_ARMS:
+            continue
+        comp = results["comparisons"][name]
+        if comp["vs_best"]["arm"] is None and not any(a not in KAISA_ARMS for a in results["arms"]):
+            continue
+        best = _sentence(results, name, "vs_best")
+        lines.append(best)
+        base = comp.get("vs_base")
+        if base is not None and comp["vs_best"]["arm"] not in (None, base["arm"]):
+            lines.append(_sentence(results, name, "vs_base"))
+    return "\n".join(lines)
 
 
 def write_results(results: dict[str, Any], path: Path) -> None:
@@ -148,8 +235,29 @@ def write_csv(runs: Sequence[RunResult], path: Path) -> None:
                 )
 
 
+def median_seed_runs(runs: Sequence[RunResult], target: float) -> dict[str, RunResult]:
+    """Per arm, the run of its median seed: by time to the target, then best accuracy.
+
+    Runs that never reached the target sort after those that did; with an
+    even number of seeds the lower median is taken.
+    """
+    by_arm: dict[str, list[RunResult]] = {}
+    for run in runs:
+        by_arm.setdefault(run.arm, []).append(run)
+    out: dict[str, RunResult] = {}
+    for arm, mine in by_arm.items():
+
+        def key(r: RunResult) -> tuple[float, float]:
+            hit = r.first_reaching(target)
+            return (hit.train_seconds if hit else math.inf, -(r.best_test_accuracy or 0.0))
+
+        ranked = sorted(mine, key=key)
+        out[arm] = ranked[(len(ranked) - 1) // 2]
+    return out
+
+
 def write_plot(runs: Sequence[RunResult], results: dict[str, Any], path: Path) -> None:
-    """Test accuracy against training time and against epochs, one line per run."""
+    """Test accuracy against training time and against epochs: median seed bold, others faint."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -157,28 +265,33 @@ def write_plot(runs: Sequence[RunResult], results: dict[str, Any], path: Path) -
 
     target = float(results["target_accuracy"])
     fig, (ax_t, ax_e) = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
-    labelled: set[str] = set()
+    medians = median_seed_runs(runs, target)
     accs: list[float] = []
-    for run in runs:
+    order = {name: i for i, name in enumerate(results.get("arm_order", []))}
+    # Faint seeds first, under the bold median seeds; arms in table order.
+    ranked = sorted(
+        runs, key=lambda r: (medians.get(r.arm) is r, order.get(r.arm, len(order)), r.arm)
+    )
+    for run in ranked:
         if not run.points:
             continue
         color = _COLORS.get(run.arm)
-        label = None if run.arm in labelled else _LABELS.get(run.arm, run.arm)
-        labelled.add(run.arm)
+        bold = medians.get(run.arm) is run
+        style: dict[str, Any] = (
+            {"alpha": 0.95, "lw": 1.8, "marker": ".", "ms": 3, "label": _label(run.arm)}
+            if bold
+            else {"alpha": 0.25, "lw": 1.0}
+        )
         t = [p.train_seconds for p in run.points]
         e = [p.epoch for p in run.points]
         a = [p.test_accuracy for p in run.points]
         accs += a
-        ax_t.plot(t, a, color=color, alpha=0.8, lw=1.4, marker=".", ms=3, label=label)
-        ax_e.plot(e, a, color=color, alpha=0.8, lw=1.4, marker=".", ms=3, label=label)
+        ax_t.plot(t, a, color=color, **style)
+        ax_e.plot(e, a, color=color, **style)
         hit = run.first_reaching(target)
-        if hit is not None:
+        if hit is not None and bold:
             ax_t.plot([hit.train_seconds], [hit.test_accuracy], "o", color=color, ms=6, mfc="none")
             ax_e.plot([hit.epoch], [hit.test_accuracy], "o", color=color, ms=6, mfc="none")
-    for name, arm in results["arms"].items():
-        t_med = arm["time_to_target_s"]
-        if t_med is not None:
-            ax_t.axvline(t_med, color=_COLORS.get(name), ls=":", lw=1)
     for ax in (ax_t, ax_e):
         ax.axhline(target, color="gray", ls="--", lw=1)
         ax.grid(alpha=0.3)
@@ -189,16 +302,14 @@ def write_plot(runs: Sequence[RunResult], results: dict[str, Any], path: Path) -
     ax_t.set_xlabel("training time, s (evaluation excluded)")
     ax_e.set_xlabel("epoch")
     ax_t.set_ylabel("test accuracy")
-    ax_t.legend(loc="lower right")
+    if medians:
+        ax_t.legend(loc="lower right", fontsize=8)
     shared = results["shared"]
-    ratio = results.get("kaisa_time_ratio")
     title = (
-        f"{shared['model']} on Fashion-MNIST, batch {shared['batch_size']}, "
-        f"{len(shared['seeds'])} seed(s), {shared['nproc']} process(es); "
+        f"{results['workload']} on Fashion-MNIST, batch {shared['batch_size']}, "
+        f"{len(shared['seeds'])} seed(s) (median seed bold), {shared['nproc']} process(es); "
         f"dashed: target {target:.1%}"
     )
-    if ratio is not None:
-        title += f"; KAISA/SGD time to target {ratio:.2f}"
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -216,4 +327,95 @@ def write_outputs(runs: Sequence[RunResult], results: dict[str, Any], out_dir: P
     write_results(results, paths[0])
     write_csv(runs, paths[1])
     write_plot(runs, results, paths[2])
+    return paths
+
+
+# --- the summary over workloads --------------------------------------------------
+
+_SUMMARY_HEADER = (
+    "workload",
+    "arm",
+    "reached",
+    "steps to target",
+    "ms/step",
+    "time to target",
+    "vs best other",
+    "K-FAC share",
+)
+
+
+def _summary_cells(row: dict[str, Any]) -> tuple[str, ...]:
+    t = row["time_to_target_s"]
+    return (
+        row["workload"],
+        _label(row["arm"]),
+        f"{row['seeds_reaching_target']}/{row['seeds']}",
+        _fmt(row["steps_to_target"], ".0f"),
+        _fmt(row["ms_per_step"], ".1f"),
+        "-" if t is None else f"{t:.1f} s",
+        _ratio_text(row["ratio"], row["vs"], t is not None),
+        _fmt(row.get("kfac_share"), ".0%"),
+    )
+
+
+def _phase_text(row: dict[str, Any]) -> str:
+    phases = row.get("kfac_phase_seconds") or {}
+    return ", ".join(f"{k} {v:.2f} s" for k, v in phases.items() if v > 0)
+
+
+def _summary_notes(summary: dict[str, Any]) -> list[str]:
+    seeds = summary["seeds"]
+    notes = [
+        f"Medians over {len(seeds)} seed(s) ({', '.join(map(str, seeds))}); training clock, "
+        "evaluation excluded. 'vs best other': median time to target over that of the best "
+        "other arm (for kaisa arms: the best arm without K-FAC); 'never': this arm did not "
+        "reach the target; '(none)': it did, no arm it is compared with did.",
+    ]
+    targets = ", ".join(
+        f"{name} {w['target_accuracy']:.1%} in {w['epochs']} epoch(s)"
+        + (" [provisional]" if w["provisional"] else "")
+        for name, w in summary["workloads"].items()
+    )
+    notes.append(f"Targets: {targets}.")
+    return notes
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary table over workloads, as printed at the end of the suite."""
+    rows = [_SUMMARY_HEADER, *(_summary_cells(r) for r in summary["rows"])]
+    lines = ["Summary over workloads", *_grid(rows)]
+    for row in summary["rows"]:
+        phases = _phase_text(row)
+        if phases:
+            lines.append(f"K-FAC phases, {row['workload']} {_label(row['arm'])}: {phases}")
+    lines += _summary_notes(summary)
+    return "\n".join(lines)
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+    """``summary.md``: the summary table in Markdown, with K-FAC's phases and the notes."""
+    lines = ["# kaisa demo: summary over workloads", ""]
+    lines.append("| " + " | ".join(_SUMMARY_HEADER) + " |")
+    lines.append("|" + "|".join(" --- " for _ in _SUMMARY_HEADER) + "|")
+    for row in summary["rows"]:
+        lines.append("| " + " | ".join(_summary_cells(row)) + " |")
+    phases = [(row, _phase_text(row)) for row in summary["rows"]]
+    if any(text for _, text in phases):
+        lines += ["", "K-FAC's seconds per phase (median over seeds):", ""]
+        lines += [
+            f"- {row['workload']}, {_label(row['arm'])}: {text}" for row, text in phases if text
+        ]
+    lines += ["", *_summary_notes(summary)]
+    at_start = (summary["machine"].get("at_start") or {}).get("load_average_1_5_15")
+    at_end = (summary["machine"].get("at_end") or {}).get("load_average_1_5_15")
+    lines.append(f"Load average (1/5/15 min) at start {at_start}, at end {at_end}.")
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(summary: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Write ``summary.json`` and ``summary.md`` into ``out_dir``; their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "summary.json", out_dir / "summary.md"]
+    paths[0].write_text(json.dumps(summary, indent=2) + "\n")
+    paths[1].write_text(summary_markdown(summary))
     return paths

@@ -1,11 +1,17 @@
-"""One arm's training run: SGD (optionally with K-FAC) on a fixed data order.
+"""One arm's training run: its optimizer (optionally with K-FAC) on a fixed data order.
 
 The training clock covers everything a training step does (batch gather,
 forward, backward, ``preconditioner.step()``, ``optimizer.step()``) and
 nothing else: evaluation on the test set, progress display and bookkeeping
 between steps run with the clock stopped. The learning rate follows a linear
 warm-up and then a cosine decay to zero at the end of the epoch budget, per
-step, identically for both arms.
+step, with the same shape for every arm on the arm's own peak (each param
+group at its ``"lr_scale"`` times that, see :mod:`kaisa.demo.optimizers`).
+
+The kaisa arms construct ``KFACPreconditioner(model, lr=<the optimizer's
+current learning rate>)`` plus only the overrides in ``ArmConfig.kfac``: the
+library's defaults otherwise. The options the preconditioner actually ran
+with are recorded in ``RunResult.kfac_options``.
 
 :func:`train_arms_in_lockstep` trains several arms in one process taking
 turns step by step, so that whatever else the machine does at a given moment
@@ -35,6 +41,7 @@ from torch import Tensor, nn
 
 from kaisa.demo.config import ArmConfig, DemoConfig
 from kaisa.demo.data import NUM_CLASSES, FashionMNIST
+from kaisa.demo.optimizers import TrainingOptimizer, build_optimizer
 
 __all__ = [
     "DistContext",
@@ -42,6 +49,7 @@ __all__ = [
     "RunResult",
     "build_demo_model",
     "evaluate",
+    "kfac_options",
     "train_arm",
     "train_arms_in_lockstep",
     "warmup_cosine",
@@ -108,6 +116,10 @@ class RunResult:
     diverged: bool = False
     #: Steps at which KL clipping shrank the update (K-FAC arms only).
     kl_clipped_steps: int = 0
+    #: What the arm's optimizer got (e.g. Muon's parameter split); JSON-ready.
+    optimizer_info: dict[str, Any] = field(default_factory=dict)
+    #: The options the K-FAC preconditioner ran with (K-FAC arms only).
+    kfac_options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def seconds_per_step(self) -> float:
@@ -116,8 +128,13 @@ class RunResult:
 
     @property
     def kfac_seconds_per_step(self) -> float:
-        """Mean seconds per step spent in the preconditioner (0 for plain SGD)."""
+        """Mean seconds per step spent in the preconditioner (0 without K-FAC)."""
         return self.kfac_seconds / max(1, self.steps)
+
+    @property
+    def kfac_share(self) -> float:
+        """K-FAC's share of the training clock (``kfac_seconds / train_seconds``)."""
+        return self.kfac_seconds / self.train_seconds if self.train_seconds > 0 else 0.0
 
     @property
     def final_test_accuracy(self) -> float | None:
@@ -149,7 +166,9 @@ class RunResult:
             "train_seconds": self.train_seconds,
             "steps": self.steps,
             "seconds_per_step": self.seconds_per_step,
+            "kfac_seconds": self.kfac_seconds,
             "kfac_seconds_per_step": self.kfac_seconds_per_step,
+            "kfac_share": self.kfac_share,
             "kfac_phase_seconds": dict(self.kfac_phase_seconds),
             "peak_memory_mb": self.peak_memory_mb,
             "peak_memory_increase_mb": self.peak_memory_increase_mb,
@@ -264,28 +283,40 @@ def _eval_interval(config: DemoConfig, last_acc: float | None, reached: bool) ->
     return config.eval_every
 
 
-def _make_preconditioner(model: nn.Module, arm: ArmConfig, optimizer: torch.optim.SGD) -> Any:
+def _make_preconditioner(model: nn.Module, arm: ArmConfig, optimizer: TrainingOptimizer) -> Any:
+    """The library's preconditioner with its defaults, but ``lr`` and ``arm.kfac``'s overrides."""
     from kaisa import KFACPreconditioner
 
     assert arm.kfac is not None
-    k = arm.kfac
 
     def current_lr(_step: int) -> float:
         return float(optimizer.param_groups[0]["lr"])
 
-    return KFACPreconditioner(
-        model,
-        factor_update_steps=k.factor_update_steps,
-        inv_update_steps=k.inv_update_steps,
-        damping=k.damping,
-        factor_decay=k.factor_decay,
-        kl_clip=k.kl_clip,
-        lr=current_lr,
-        grad_worker_fraction=k.grad_worker_fraction,
-        conv_factor_estimator=k.conv_factor_estimator,
-        damping_mode=k.damping_mode,
-        factor_init=k.factor_init,
-    )
+    return KFACPreconditioner(model, lr=current_lr, **arm.kfac.overrides())
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if callable(value):
+        return "callable"
+    return str(value)
+
+
+def kfac_options(pre: Any) -> dict[str, Any]:
+    """The options a ``KFACPreconditioner`` runs with, as JSON (``lr`` is the demo's callable)."""
+    import dataclasses
+
+    options = getattr(pre, "options", None)
+    if options is None or not dataclasses.is_dataclass(options):
+        return {}
+    return {
+        f.name: _jsonable(getattr(options, f.name))
+        for f in dataclasses.fields(options)
+        if f.init and f.name != "grad_scaler"
+    }
 
 
 def _phase_total(pre: Any) -> float:
@@ -313,7 +344,7 @@ def train_arm(
     """Train ``config.model`` with ``arm``'s optimizer for ``config.epochs`` epochs.
 
     The model's initial weights and the order of the training batches depend on
-    ``seed`` only, so both arms of a comparison start from the same weights and
+    ``seed`` only, so all arms of a comparison start from the same weights and
     see the same batches. ``stop_at_target`` ends the run at the first
     evaluation that reaches the target (for sweeps that rank by time or steps
     to the target; the final accuracy is then that evaluation's).
@@ -394,15 +425,17 @@ def _arm_run(
     if dist.world > 1:
         model = nn.parallel.DistributedDataParallel(model)
     model.train()
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=schedule(0), momentum=arm.momentum, weight_decay=arm.weight_decay
-    )
+    optimizer, optimizer_info = build_optimizer(model, arm)
+    for group in optimizer.param_groups:
+        group["lr"] = schedule(0) * group.get("lr_scale", 1.0)
     pre = _make_preconditioner(model, arm, optimizer) if arm.kfac is not None else None
     order = torch.Generator().manual_seed(seed)
 
     reset_ok = _reset_peak_rss()
     rss_before = _current_rss_mb()
-    result = RunResult(arm.name, seed, 0, steps_per_epoch, 0.0)
+    result = RunResult(arm.name, seed, 0, steps_per_epoch, 0.0, optimizer_info=optimizer_info)
+    if pre is not None:
+        result.kfac_options = kfac_options(pre)
     clock = 0.0
     kfac_clock = 0.0
     hooks_clock = 0.0
@@ -428,7 +461,7 @@ def _arm_run(
     show = progress and dist.is_main
     for epoch in range(config.epochs):
         perm = torch.randperm(n_train, generator=order)
-        desc = f"{arm.name:>5} seed {seed} epoch {epoch + 1}/{config.epochs}"
+        desc = f"{arm.name:>11} seed {seed} epoch {epoch + 1}/{config.epochs}"
         bar = _EpochBar(steps_per_epoch, desc, position) if show else None
         epoch_clock = clock
         epoch_loss = 0.0
@@ -438,7 +471,7 @@ def _arm_run(
             x, y = data.train_x[idx].contiguous(memory_format=layout), data.train_y[idx]
             lr = schedule(step)
             for group in optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group.get("lr_scale", 1.0)
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x), y)
             torch.autograd.backward(loss)
