@@ -270,11 +270,12 @@ class KFACPreconditioner:
             LayerShape(name, handler.a_size, handler.g_size, *provisional[name])  # validates
         #: The automatic choice, once made (``None`` before, or when nothing was left to it).
         self.curvature_choice: BudgetChoice | None = None
-        self._choice_pending = bool(self.options.auto) or any(
+        # The decay alone needs no rows: it follows the (fixed) factor interval.
+        self._choice_pending = bool(self.options.auto - {"factor_decay"}) or any(
             side is None for sides in self._fixed.values() for side in sides
         )
-        if not self._choice_pending:
-            self.options.set_chosen(0, 0)  # nothing is automatic; fixes nothing
+        if not self._choice_pending:  # only the decay, if anything, is left automatic
+            self.options.set_chosen(0, 0)
         self.plan: WorkPlan = self._make_plan([(name, h, provisional[name]) for name, h in found])
         first_weight = found[0][1].weight
         self.device = first_weight.device
@@ -407,7 +408,7 @@ class KFACPreconditioner:
                 f"(the cheapest curvature costs {choice.share:.3g} of the layers' work); "
                 "using the cheapest representations and intervals",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=5,  # _choose, _update_factors, step, torch's no_grad wrapper, user
             )
         self._apply_choice(choice)
 
@@ -564,7 +565,7 @@ class KFACPreconditioner:
                     f"kaisa: layer {layer.name!r} ran forward without a backward pass this "
                     "step; its unfinished captures are dropped",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=4,  # _update_factors, step, torch's no_grad wrapper, user
                 )
                 layer.pending = 0
             if not layer.submitted:
@@ -579,6 +580,7 @@ class KFACPreconditioner:
         # Each block folds the captures its representations hold.
         reduced: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         captured: dict[str, bool] = {}
+        traces: list[torch.Tensor] = []
         for layer in self.layers:
             payload = payloads.get(layer.name)
             if payload is None:
@@ -589,6 +591,10 @@ class KFACPreconditioner:
             )
             reduced[layer.name] = (a, g)
             captured[layer.name] = a_rows > 0 and g_rows > 0
+            # A's trace (a gram's diagonal, or the mean squared row) is 0 when the
+            # layer saw only zeros, or nothing: such a step is not folded.
+            gram = layer.block.specs[0].capture == "gram"
+            traces.append(a.diagonal().sum() if gram else a[1].sum())
         names = [name for name in (layer.name for layer in self.layers) if name in reduced]
         grads = [
             p.grad
@@ -604,9 +610,12 @@ class KFACPreconditioner:
         tensors = [t for name in names for t in reduced[name]] + grads
         # Sums accumulate in at least float32 (never in half precision).
         summed = [t.sum(dtype=compute_dtype(t.dtype)) for t in tensors]
+        summed += [t.to(compute_dtype(t.dtype)) for t in traces]
         # float64 only when some tensor already is (not every device has it).
         common = functools.reduce(torch.promote_types, (v.dtype for v in summed))
-        sum_values = torch.stack([v.to(common) for v in summed]).tolist()
+        values = torch.stack([v.to(common) for v in summed]).tolist()
+        sum_values, trace_values = values[: len(tensors)], values[len(tensors) :]
+        nonzero = dict(zip(names, (t != 0.0 for t in trace_values), strict=True))
         finite = all(
             math.isfinite(value) or bool(t.isfinite().all())
             for value, t in zip(sum_values, tensors, strict=True)
@@ -617,7 +626,9 @@ class KFACPreconditioner:
         decay = self.options.hyper["factor_decay"].at(self._steps)
         by_name = {layer.name: layer for layer in self.layers}
         for name in names:
-            if captured[name]:  # rows on some rank (a layer captured nowhere is skipped)
+            # Rows on some rank and a non-zero A (a layer captured nowhere, or
+            # fed only zeros, is skipped).
+            if captured[name] and nonzero[name]:
                 by_name[name].block.fold(*reduced[name], decay)
 
     def _update_second_order(self) -> None:

@@ -107,7 +107,8 @@ def test_step_matches_dense_kfac(outer: bool, in_hook: bool) -> None:
     x, y = torch.randn(11, 5, dtype=D), torch.randint(0, 3, (11,))
     decay, damping, lr, kappa = 0.6, 0.02, 0.5, 1e-4
     expected = dense_reference_step(ref_model, x, y, decay, damping, lr, kappa)
-    pre = kaisa.KFACPreconditioner(
+    # Spec §3/§4: exact curvature, identity-initialised factors, absolute damping.
+    pre = kaisa.KFACPreconditioner.with_reference_defaults(
         model,
         factor_decay=decay,
         damping=damping,
@@ -129,7 +130,8 @@ def test_relative_damping_and_first_batch_init_match_dense_kfac(outer: bool) -> 
     expected = dense_reference_step(
         ref_model, x, y, 0.95, damping, lr, kappa, relative=True, first_batch=True
     )
-    pre = kaisa.KFACPreconditioner(
+    # Exact curvature (the reference defaults) with the two non-reference conventions.
+    pre = kaisa.KFACPreconditioner.with_reference_defaults(
         model,
         factor_decay=0.95,
         damping=damping,
@@ -147,7 +149,8 @@ def test_relative_damping_and_first_batch_init_match_dense_kfac(outer: bool) -> 
 def test_inverse_method_step_and_kl_clip_off() -> None:
     model = mlp()
     x, y = torch.randn(9, 5, dtype=D), torch.randint(0, 3, (9,))
-    pre = kaisa.KFACPreconditioner(
+    # Absolute damping added to each exact factor (spec §4's inverse method).
+    pre = kaisa.KFACPreconditioner.with_reference_defaults(
         model, compute_method="inverse", factor_decay=0.0, damping=0.1, kl_clip=None, inv_dtype=D
     )
     loss_fn(model, x, y).backward()

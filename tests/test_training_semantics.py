@@ -61,7 +61,9 @@ def test_schedules_are_read_at_the_step() -> None:
         return 0.1 / (1 + step)
 
     model = Net().double()
-    pre = kaisa.KFACPreconditioner(
+    # Identity-initialised factors (the reference defaults): with the same batch at
+    # every step, 'first_batch' would leave the factors unchanged at step 1.
+    pre = kaisa.KFACPreconditioner.with_reference_defaults(
         model,
         factor_update_steps=lambda step: 1 if step < 2 else 3,
         inv_update_steps=2,
@@ -185,7 +187,8 @@ def test_grad_scaler_object_is_read() -> None:
 
 def test_overflow_step_does_not_reach_factors() -> None:
     model = Net().double()
-    pre = kaisa.KFACPreconditioner(model, inv_dtype=D)
+    # Factor updates at every step (the reference defaults), so step 1 would fold.
+    pre = kaisa.KFACPreconditioner.with_reference_defaults(model, inv_dtype=D)
     x, y = data()
     F.cross_entropy(model(x), y).backward()
     pre.step()
@@ -209,7 +212,8 @@ def test_overflow_step_does_not_reach_factors() -> None:
 def test_large_finite_factors_are_not_mistaken_for_overflow() -> None:
     """Finite factors whose float32 sum overflows are still folded in."""
     model = nn.Sequential(nn.Linear(8, 3))
-    pre = kaisa.KFACPreconditioner(model, factor_decay=0.0)
+    # Exact curvature: A is the full gram, whose sum overflows float32.
+    pre = kaisa.KFACPreconditioner.with_reference_defaults(model, factor_decay=0.0)
     x = torch.full((4, 8), 4e18)
     F.cross_entropy(model(x), torch.zeros(4, dtype=torch.long)).backward()
     pre.step()
@@ -222,7 +226,7 @@ def test_large_finite_factors_are_not_mistaken_for_overflow() -> None:
 def test_layer_with_all_zero_inputs_is_not_folded() -> None:
     """A zero ``A`` (its trace is 0) means nothing was captured: factors stay as they were."""
     model = nn.Sequential(nn.Linear(4, 3, bias=False))
-    pre = kaisa.KFACPreconditioner(model, factor_decay=0.0)
+    pre = kaisa.KFACPreconditioner.with_reference_defaults(model, factor_decay=0.0)
     F.cross_entropy(model(torch.zeros(5, 4)), torch.zeros(5, dtype=torch.long)).backward()
     pre.step()
     block = pre.layers[0].block
@@ -232,7 +236,8 @@ def test_layer_with_all_zero_inputs_is_not_folded() -> None:
 
 def test_nan_input_leaves_factors_and_state_intact() -> None:
     model = Net().double()
-    pre = kaisa.KFACPreconditioner(model, inv_dtype=D)
+    # Factor updates at every step (the reference defaults): step 1 captures the NaN.
+    pre = kaisa.KFACPreconditioner.with_reference_defaults(model, inv_dtype=D)
     x, y = data()
     F.cross_entropy(model(x), y).backward()
     pre.step()
@@ -305,7 +310,8 @@ def test_memory_usage_by_category() -> None:
 def test_decomposition_failure_keeps_model_finite(monkeypatch: pytest.MonkeyPatch) -> None:
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    pre = kaisa.KFACPreconditioner(model)
+    # Exact curvature decomposed at every step (the reference defaults).
+    pre = kaisa.KFACPreconditioner.with_reference_defaults(model)
     train(model, opt, pre, range(2))
 
     def broken(*_: object, **__: object) -> None:

@@ -24,7 +24,14 @@ from kaisa.curvature.linalg import (
     precondition_eigen,
     precondition_inverse,
 )
-from kaisa.curvature.representations import ExactSide, Side, SideSpec, make_side, split_damping
+from kaisa.curvature.representations import (
+    ExactSide,
+    LowRankSide,
+    Side,
+    SideSpec,
+    make_side,
+    split_damping,
+)
 
 ComputeMethod = Literal["eigen", "inverse"]
 DampingMode = Literal["absolute", "relative"]
@@ -219,7 +226,8 @@ class KroneckerBlock:
                 )
             )
             gamma_a, gamma_g = split_damping(damping, *scales, relative=relative)
-            return a.solve(g.solve(grad, gamma_g, dim=0), gamma_a, dim=1)
+            # Contiguous: the gradient broadcast sends tensors in memory order.
+            return a.solve(g.solve(grad, gamma_g, dim=0), gamma_a, dim=1).contiguous()
         a, g = self._exact_sides()
         if self.method == "eigen":
             qa, qg = a.eigen[0], g.eigen[0]
@@ -252,6 +260,13 @@ class KroneckerBlock:
             }
         if self.outer_inverse is not None:
             state["outer_inverse"] = self.outer_inverse.clone()
+        warm = {
+            which: side.warm_basis.clone()
+            for which, side in self.sides.items()
+            if isinstance(side, LowRankSide) and side.warm_basis is not None
+        }
+        if warm:
+            state["warm_start"] = warm
         return state
 
     def load_state_dict(self, state: dict[str, object]) -> None:
@@ -297,6 +312,12 @@ class KroneckerBlock:
         for which, tensors in loaded.items():
             for target, value in zip(self.sides[which].state, tensors, strict=True):  # type: ignore[index]
                 target.copy_(value)
+        warm = state.get("warm_start")
+        if isinstance(warm, dict):
+            for which, basis in warm.items():
+                side = self.sides.get(which)
+                if isinstance(side, LowRankSide) and isinstance(basis, torch.Tensor):
+                    side.warm_basis = basis.to(device=self.a.device).clone()
         outer = state.get("outer_inverse")
         if isinstance(outer, torch.Tensor) and self.eigen_outer_product:
             self.outer_inverse = outer.to(device=self.a.device, dtype=self.inv_dtype).clone()

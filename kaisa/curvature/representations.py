@@ -83,9 +83,10 @@ from kaisa.curvature.linalg import (
 )
 
 
-def _seed_for(name: str) -> int:
-    """A seed that depends on the layer's name only, equal on every rank and run."""
-    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+def _seed_for(n: int, width: int) -> int:
+    """The low-rank start's seed: the same on every rank, run and wrapper (DDP renames
+    layers ``module.…``), so a refresh depends on the factor alone."""
+    return zlib.crc32(f"kaisa-lowrank-{n}-{width}".encode()) & 0x7FFFFFFF
 
 
 class Side(ABC):
@@ -266,7 +267,8 @@ class LowRankSide(Side):
 
     The refresh runs :data:`SUBSPACE_ITERATIONS` steps of subspace iteration
     on ``k +`` :data:`OVERSAMPLING` columns, warm-started from the previous
-    basis (a seeded Gaussian the first time), then a Rayleigh–Ritz step; ``σ``
+    basis (a seeded Gaussian the first time; the basis is checkpointed, so a
+    resumed run refreshes bit-identically), then a Rayleigh–Ritz step; ``σ``
     is ``(trace(F) − Σλ) / (n − k)`` (0 at ``k = n``, where this is the exact
     eigen method).
     """
@@ -278,7 +280,7 @@ class LowRankSide(Side):
         super().__init__(name, size, **kw)  # type: ignore[arg-type]
         SideSpec("lowrank", rank).check_size(size, f"layer side {name!r}")
         self.rank = rank
-        self._basis: torch.Tensor | None = None  # the oversampled basis, for warm starts
+        self.warm_basis: torch.Tensor | None = None  # the oversampled basis, for warm starts
 
     @property
     def spec(self) -> SideSpec:
@@ -297,9 +299,9 @@ class LowRankSide(Side):
         dtype = compute_dtype(self.factor.dtype)
         factor = self.factor.to(dtype)
         width = min(n, k + OVERSAMPLING)
-        basis = self._basis
+        basis = self.warm_basis
         if basis is None or basis.shape != (n, width) or basis.dtype != dtype:
-            generator = torch.Generator(device="cpu").manual_seed(_seed_for(self.name))
+            generator = torch.Generator(device="cpu").manual_seed(_seed_for(n, width))
             basis = torch.randn(n, width, generator=generator, dtype=dtype).to(factor.device)
             basis = torch.linalg.qr(basis).Q
         try:
@@ -313,8 +315,8 @@ class LowRankSide(Side):
             raise DecompositionError("low-rank refresh returned non-finite values")
         order = torch.argsort(values, descending=True)
         values, vectors = values[order], vectors[:, order]
-        self._basis = basis @ vectors  # the Ritz vectors: the best warm start
-        u = self._basis[:, :k]
+        self.warm_basis = basis @ vectors  # the Ritz vectors: the best warm start
+        u = self.warm_basis[:, :k]
         top = values[:k].clamp(min=0.0)
         rest = n - k
         trace = factor.diagonal().sum()

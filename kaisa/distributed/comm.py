@@ -388,6 +388,8 @@ class Communicator:
         works: list[Work] = []
         with self.telemetry.timer("grad_broadcast"):
             for src, tensor in items:
+                if not tensor.is_contiguous():  # a collective sends memory order, not shape
+                    raise RuntimeError("kaisa: a gradient to broadcast must be contiguous")
                 works.append(_broadcast(tensor, src, group))
                 self.telemetry.count("grad_broadcast", tensor)
             for work in works:

@@ -70,8 +70,10 @@ def side(
     )
 
 
-def lowrank(n: int, k: int, factor: torch.Tensor, *, relative: bool = False) -> LowRankSide:
-    s = side("lowrank", n, rank=k, relative=relative)
+def lowrank(
+    n: int, k: int, factor: torch.Tensor, *, relative: bool = False, name: str = "layer.a"
+) -> LowRankSide:
+    s = side("lowrank", n, rank=k, relative=relative, name=name)
     assert isinstance(s, LowRankSide)
     s.factor.copy_(factor)
     s.refresh(0.1)
@@ -215,13 +217,14 @@ def test_lowrank_warm_start_converges_further() -> None:
     torch.testing.assert_close(low.state[1], values[:k], rtol=0, atol=1e-6)
 
 
-def test_lowrank_first_basis_depends_on_the_name_only() -> None:
-    """Every rank refreshing the same factor gets the same state (seeded by name)."""
+def test_lowrank_first_basis_depends_on_the_factor_only() -> None:
+    """Every rank refreshing the same factor gets the same state, whatever the layer's
+    name (DDP prefixes 'module.') and the global random state."""
     n, k = 25, 3
     factor = spd(n)
     one = lowrank(n, k, factor)
     torch.manual_seed(1234)  # the global RNG must not matter
-    two = lowrank(n, k, factor)
+    two = lowrank(n, k, factor, name="module.other")
     for a, b in zip(one.state, two.state, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -531,7 +534,7 @@ def test_non_finite_factor_is_refused_and_state_kept(kind: str, bad: float) -> N
     s.fold(spd(n) if s.capture == "gram" else moments(n), 0.0)
     s.refresh(0.1)
     before = [t.clone() for t in s.state]
-    basis = getattr(s, "_basis", None)
+    basis = getattr(s, "warm_basis", None)
     basis = basis.clone() if basis is not None else None
     m = torch.randn(n, 3, dtype=D)
     expected = s.solve(m, 0.1, 0)
@@ -541,7 +544,7 @@ def test_non_finite_factor_is_refused_and_state_kept(kind: str, bad: float) -> N
     for old, new in zip(before, s.state, strict=True):
         torch.testing.assert_close(new, old, rtol=0, atol=0)
     if basis is not None:
-        torch.testing.assert_close(s._basis, basis, rtol=0, atol=0)  # type: ignore[attr-defined]
+        torch.testing.assert_close(s.warm_basis, basis, rtol=0, atol=0)  # type: ignore[attr-defined]
     torch.testing.assert_close(s.solve(m, 0.1, 0), expected, rtol=0, atol=0)
 
 
@@ -549,7 +552,7 @@ def test_lowrank_eigh_failure_is_a_decomposition_error(monkeypatch: pytest.Monke
     n = 20
     low = lowrank(n, 3, spd(n))
     before = [t.clone() for t in low.state]
-    basis = low._basis.clone()  # type: ignore[union-attr]
+    basis = low.warm_basis.clone()  # type: ignore[union-attr]
 
     def broken(*_: object, **__: object) -> None:
         raise torch.linalg.LinAlgError("forced failure")  # type: ignore[attr-defined]
@@ -560,7 +563,7 @@ def test_lowrank_eigh_failure_is_a_decomposition_error(monkeypatch: pytest.Monke
         low.refresh(0.1)
     for old, new in zip(before, low.state, strict=True):
         torch.testing.assert_close(new, old, rtol=0, atol=0)
-    torch.testing.assert_close(low._basis, basis, rtol=0, atol=0)
+    torch.testing.assert_close(low.warm_basis, basis, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(("a_spec", "g_spec"), [("lowrank:3", "exact"), ("kvec", "diagonal")])

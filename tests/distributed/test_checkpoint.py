@@ -39,7 +39,9 @@ MODES = ("uninterrupted", "own", "rank0", "expected_rank0")
 
 def _build(fraction: float, inv_update_steps: int) -> tuple[Any, Any, Any]:
     model = make_model("net")
-    preconditioner = kaisa.KFACPreconditioner(
+    # Exact curvature, absolute damping, identity-initialised factors: the
+    # reference defaults (second-order state is spec §5's a² + g² + a + g + a·g).
+    preconditioner = kaisa.KFACPreconditioner.with_reference_defaults(
         model,
         factor_update_steps=1,
         inv_update_steps=inv_update_steps,

@@ -7,6 +7,13 @@ by step, are exactly what :func:`kaisa.distributed.cost.rank_traffic` gives
 for that rank, and the second-order state each rank holds is exactly what
 :func:`kaisa.distributed.cost.rank_memory` gives (up to one deliberate
 difference, see :func:`expected_second_order`).
+
+The same holds with fixed mixed representations (spec §8), counted by hand
+as well: a ``'kvec'`` or ``'diagonal'`` side all-reduces its ``2n`` row
+moments and holds and broadcasts ``n`` numbers of state, a ``'lowrank:K'``
+side all-reduces its ``n²`` gram and holds and broadcasts ``n·k + k + 1``,
+an exact side of a mixed layer ``n² + n`` (eigen, whatever the method), and
+only a layer exact on both sides keeps the eigenvalue outer product.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from torch import nn
 
 import kaisa
 from kaisa.distributed.cost import rank_memory, rank_traffic
-from kaisa.distributed.plan import LayerShape, WorkPlan, make_plan
+from kaisa.distributed.plan import LayerAssignment, LayerShape, WorkPlan, make_plan
 
 STEPS = 6
 FACTOR_UPDATE_STEPS = 2  # factor all-reduce at steps 0, 2, 4
@@ -62,6 +69,18 @@ SHAPES = [
     LayerShape("fc4", 11, 4),
 ]
 
+#: Fixed representations of every layer of :class:`Net`: every side kind on A
+#: and on G, a layer exact on both sides, and one with an exact A only.
+MIXED: dict[str, tuple[str, str]] = {
+    "conv1": ("lowrank:6", "exact"),
+    "conv2": ("kvec", "lowrank:3"),
+    "fc1": ("exact", "diagonal"),
+    "fc2": ("diagonal", "kvec"),
+    "fc3": ("lowrank:4", "lowrank:2"),
+    "fc4": ("exact", "exact"),
+}
+MIXED_SHAPES = [LayerShape(s.name, s.a_size, s.g_size, *MIXED[s.name]) for s in SHAPES]
+
 
 @dataclass(frozen=True)
 class Config:
@@ -71,14 +90,15 @@ class Config:
     symmetry_aware: bool
     colocate_factors: bool
     bucket_cap_mb: float
+    mixed: bool = False  # the representations of MIXED (else all exact)
 
 
 def configs(world_size: int) -> list[Config]:
     fractions = [m / world_size for m in range(1, world_size + 1) if world_size % m == 0]
     methods = [("eigen", True), ("eigen", False), ("inverse", True)]
     cases = []
-    for i, (f, (method, outer), sym) in enumerate(
-        itertools.product(fractions, methods, (False, True))
+    for i, (f, (method, outer), sym, mixed) in enumerate(
+        itertools.product(fractions, methods, (False, True), (False, True))
     ):
         cases.append(
             Config(
@@ -86,8 +106,9 @@ def configs(world_size: int) -> list[Config]:
                 method,
                 outer,
                 sym,
-                colocate_factors=i % 2 == 0,
+                colocate_factors=i % 4 < 2,
                 bucket_cap_mb=TINY_BUCKET_MB if i % 3 == 0 else 25.0,
+                mixed=mixed,
             )
         )
     return cases
@@ -97,8 +118,13 @@ def _run(config: Config, rank: int, world_size: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    preconditioner = kaisa.KFACPreconditioner(
+    # Fixed representations and a fixed decay: nothing is left to the automatic
+    # choice, whose first step captures and all-reduces every kind of factor.
+    preconditioner = kaisa.KFACPreconditioner.with_reference_defaults(
         model,
+        curvature={f"^{name}$": sides for name, sides in MIXED.items()}
+        if config.mixed
+        else "exact",
         factor_update_steps=FACTOR_UPDATE_STEPS,
         inv_update_steps=INV_UPDATE_STEPS,
         compute_method=config.compute_method,
@@ -138,28 +164,79 @@ def _worker(rank: int, world_size: int, config_dicts: list[dict[str, Any]]) -> l
     return [_run(Config(**c), rank, world_size) for c in config_dicts]
 
 
+def _side_state(spec: str, n: int, exact_layer: bool, method: str) -> int:
+    """Second-order numbers of one side (by hand, independent of cost.py)."""
+    if spec == "exact":
+        # The eigen form (Q and λ) unless the whole layer uses the inverse method.
+        return n * n if exact_layer and method == "inverse" else n * n + n
+    if spec.startswith("lowrank:"):
+        k = int(spec.split(":")[1])
+        return n * k + k + 1  # U, λ and σ
+    assert spec in ("kvec", "diagonal"), spec
+    return n  # the mean row, or the mean squared row
+
+
+def _side_factor(spec: str, n: int, symmetry_aware: bool = False) -> int:
+    """Numbers one side's running average holds (or sends in the all-reduce)."""
+    if spec in ("kvec", "diagonal"):
+        return 2 * n  # the row moments
+    return n * (n + 1) // 2 if symmetry_aware else n * n
+
+
+def _layer_state(la: LayerAssignment, method: str, outer: bool) -> int:
+    exact_layer = la.a_spec == la.g_spec == "exact"
+    total = _side_state(la.a_spec, la.a_size, exact_layer, method)
+    total += _side_state(la.g_spec, la.g_size, exact_layer, method)
+    if exact_layer and method == "eigen" and outer:
+        total += la.a_size * la.g_size
+    return total
+
+
 def expected_second_order(plan: WorkPlan, rank: int, method: str, outer: bool) -> int:
     """Second-order elements held by ``rank``, from the cost model.
 
     With the precomputed outer product kaisa keeps the eigenvalues as well, so
     a layer costs ``a² + g² + a + g + a·g`` (cost.py states the deviation from
-    spec §5's ``a² + g² + a·g``); checked here independently of cost.py too.
+    spec §5's ``a² + g² + a·g``); checked here independently of cost.py too,
+    for every representation the plan records.
     """
     expected = rank_memory(plan, rank, method, eigen_outer_product=outer).second_order  # type: ignore[arg-type]
     own = [la for la in plan.layers if plan.is_grad_worker(la.name, rank)]
-    if method == "eigen":
-        by_hand = sum(
-            la.a_size**2
-            + la.g_size**2
-            + la.a_size
-            + la.g_size
-            + (la.a_size * la.g_size if outer else 0)
-            for la in own
-        )
+    if all(la.a_spec == la.g_spec == "exact" for la in plan.layers):
+        # The formulas of spec §5 as the all-exact test always stated them.
+        if method == "eigen":
+            by_hand = sum(
+                la.a_size**2
+                + la.g_size**2
+                + la.a_size
+                + la.g_size
+                + (la.a_size * la.g_size if outer else 0)
+                for la in own
+            )
+        else:
+            by_hand = sum(la.a_size**2 + la.g_size**2 for la in own)
+        assert by_hand == sum(_layer_state(la, method, outer) for la in own)
     else:
-        by_hand = sum(la.a_size**2 + la.g_size**2 for la in own)
+        by_hand = sum(_layer_state(la, method, outer) for la in own)
     assert expected == by_hand
     return expected
+
+
+def traffic_by_hand(plan: WorkPlan, rank: int, method: str, symmetry_aware: bool) -> dict[str, int]:
+    """Elements per collective kind, counted from the plan's representations by hand."""
+    n, m = plan.world_size, plan.grad_workers
+    own = [la for la in plan.layers if plan.is_grad_worker(la.name, rank)]
+    allreduce = sum(
+        _side_factor(la.a_spec, la.a_size, symmetry_aware)
+        + _side_factor(la.g_spec, la.g_size, symmetry_aware)
+        for la in plan.layers
+    )
+    return {
+        "factor_allreduce": allreduce if n > 1 else 0,
+        # The state is broadcast, not the outer product (formed after it).
+        "inverse_broadcast": sum(_layer_state(la, method, False) for la in own) if m > 1 else 0,
+        "grad_broadcast": sum(la.a_size * la.g_size for la in plan.layers) if m < n else 0,
+    }
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -169,8 +246,9 @@ def test_traffic_and_memory_match_the_cost_model(world_size: int) -> None:
     for i, config in enumerate(cases):
         where = f"{config} at world size {world_size}"
         plan = results[0][i]["plan"]
+        shapes = MIXED_SHAPES if config.mixed else SHAPES
         assert plan == make_plan(
-            SHAPES, world_size, config.fraction, "compute", config.colocate_factors
+            shapes, world_size, config.fraction, "compute", config.colocate_factors
         ), where
         for rank in range(world_size):
             got = results[rank][i]
@@ -186,6 +264,9 @@ def test_traffic_and_memory_match_the_cost_model(world_size: int) -> None:
                 "inverse_broadcast": traffic.inverse_broadcast,
                 "grad_broadcast": traffic.grad_broadcast,
             }
+            assert per_kind == traffic_by_hand(
+                plan, rank, config.compute_method, config.symmetry_aware
+            ), f"{where}, rank {rank}: the cost model against the count by hand"
             total = dict.fromkeys([*KINDS, "layer_flags", "factor_rows"], 0)
             for step in range(STEPS):
                 expected = {
@@ -208,6 +289,10 @@ def test_traffic_and_memory_match_the_cost_model(world_size: int) -> None:
 
             memory = got["memory"]
             factors = rank_memory(plan, rank).factors
+            assert factors == sum(
+                _side_factor(la.a_spec, la.a_size) + _side_factor(la.g_spec, la.g_size)
+                for la in plan.layers
+            ), where
             assert memory["factors"] == factors * got["factor_element_size"], where
             second = expected_second_order(
                 plan, rank, config.compute_method, config.eigen_outer_product

@@ -11,8 +11,12 @@ import kaisa
 
 
 def capture(model: nn.Module, x: torch.Tensor, **options: object) -> kaisa.KFACPreconditioner:
-    """One factor update with decay 0, so the blocks hold exactly the batch factors."""
-    pre = kaisa.KFACPreconditioner(
+    """One factor update with decay 0, so the blocks hold exactly the batch factors.
+
+    Spec §3's factors are full grams: exact curvature (the reference defaults),
+    not the automatic choice, which may hold a side as moments.
+    """
+    pre = kaisa.KFACPreconditioner.with_reference_defaults(
         model, factor_decay=0.0, inv_dtype=torch.float64, kl_clip=None, **options
     )
     out = model(x)
@@ -134,7 +138,9 @@ def test_conv_patch_slicing_matches_whole_batch() -> None:
     whole = capture(conv, x).layers[0]
     sliced_conv = nn.Conv2d(3, 4, 3, padding=1).double()
     sliced_conv.load_state_dict(conv.state_dict())
-    pre = kaisa.KFACPreconditioner(sliced_conv, factor_decay=0.0, kl_clip=None)
+    pre = kaisa.KFACPreconditioner.with_reference_defaults(
+        sliced_conv, factor_decay=0.0, kl_clip=None
+    )
     handler = pre.layers[0].handler
     assert isinstance(handler, kaisa.layers.Conv2dHandler)
     handler.max_patch_bytes = 1  # one sample per slice

@@ -1,0 +1,124 @@
+"""The automatic curvature choice under several ranks (spec §8): one choice everywhere.
+
+Each rank captures its own share of the batch, but the choice is made from
+the rows all-reduced with the factors at the first factor-update step (their
+mean per rank), so every rank reaches the same :class:`BudgetChoice` and the
+same work plan, even when the ranks see different numbers of rows, and it is
+what :func:`kaisa.curvature.budget.choose_curvature` gives for those rows.
+Training then continues in lockstep: identical weights on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from harness import run_distributed
+from torch import nn
+
+import kaisa
+from kaisa.curvature.budget import BudgetChoice, LayerWork, choose_curvature
+from kaisa.distributed.plan import LayerShape, make_plan
+
+WORLD_SIZE = 2
+#: Rows per rank at every step: unequal, 64 on average.
+LOCAL_ROWS = (48, 80)
+MEAN_ROWS = sum(LOCAL_ROWS) / len(LOCAL_ROWS)
+STEPS = 3
+FRACTIONS = ("comm-opt", "mem-opt")
+IN, HIDDEN, CLASSES = 64, 48, 10
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, CLASSES))
+
+
+def expected_choice() -> BudgetChoice:
+    """The choice for one rank's mean rows, from the budget alone (Linear layers: plain rows)."""
+    works = [
+        LayerWork.from_rows("0", IN + 1, HIDDEN, MEAN_ROWS),
+        LayerWork.from_rows("2", HIDDEN + 1, CLASSES, MEAN_ROWS),
+    ]
+    return choose_curvature(works, 0.1)
+
+
+def _train(rank: int, world_size: int, fraction: str) -> dict[str, object]:
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    preconditioner = kaisa.KFACPreconditioner(model, grad_worker_fraction=fraction)  # defaults
+    before = (preconditioner.curvature_choice, preconditioner.plan)
+    gen = torch.Generator().manual_seed(100 + rank)
+    weights = []
+    choices = []
+    for _ in range(STEPS):
+        x = torch.randn(LOCAL_ROWS[rank], IN, generator=gen)
+        y = torch.randint(0, CLASSES, (LOCAL_ROWS[rank],), generator=gen)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            assert p.grad is not None
+            dist.all_reduce(p.grad)
+            p.grad.div_(world_size)
+        preconditioner.step()
+        optimizer.step()
+        choices.append(preconditioner.curvature_choice)
+        weights.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return {
+        "before": before,
+        "choices": choices,
+        "plan": preconditioner.plan,
+        "specs": [tuple(str(s) for s in layer.block.specs) for layer in preconditioner.layers],
+        "intervals": (
+            preconditioner.hyperparameter("factor_update_steps"),
+            preconditioner.hyperparameter("inv_update_steps"),
+            preconditioner.hyperparameter("factor_decay"),
+        ),
+        "weights": torch.stack(weights),
+    }
+
+
+def _worker(rank: int, world_size: int) -> dict[str, dict[str, object]]:
+    return {fraction: _train(rank, world_size, fraction) for fraction in FRACTIONS}
+
+
+def test_every_rank_makes_the_budgets_choice() -> None:
+    expected = expected_choice()
+    # The scenario has teeth: the choice is neither all exact nor one kind everywhere.
+    kinds = {spec.split(":")[0] for sides in expected.specs.values() for spec in sides}
+    assert len(kinds) > 1 and kinds != {"exact"}, expected
+    results = run_distributed(_worker, WORLD_SIZE, timeout=120)
+    for fraction in FRACTIONS:
+        where = f"fraction {fraction}"
+        provisional = make_plan(
+            [LayerShape("0", IN + 1, HIDDEN), LayerShape("2", HIDDEN + 1, CLASSES)],
+            WORLD_SIZE,
+            fraction,
+        )
+        chosen = make_plan(
+            [
+                LayerShape("0", IN + 1, HIDDEN, *expected.specs["0"]),
+                LayerShape("2", HIDDEN + 1, CLASSES, *expected.specs["2"]),
+            ],
+            WORLD_SIZE,
+            fraction,
+        )
+        decay = min(0.95, max(0.5, 1.0 - expected.factor_update_steps / 200.0))
+        for rank in range(WORLD_SIZE):
+            got = results[rank][fraction]
+            assert got["before"] == (None, provisional), f"{where}, rank {rank}"
+            # Made at the first step, then kept.
+            assert got["choices"] == [expected] * STEPS, f"{where}, rank {rank}"
+            assert got["plan"] == chosen, f"{where}, rank {rank}"
+            assert got["specs"] == [expected.specs["0"], expected.specs["2"]], where
+            assert got["intervals"] == (
+                expected.factor_update_steps,
+                expected.inv_update_steps,
+                decay,
+            ), f"{where}, rank {rank}"
+            # Training continues in lockstep.
+            assert torch.equal(got["weights"], results[0][fraction]["weights"]), (
+                f"{where}: rank {rank} holds different weights from rank 0"
+            )
+        moved = results[0][fraction]["weights"]
+        assert not torch.equal(moved[0], moved[-1]), where
