@@ -104,8 +104,14 @@ WORKLOADS: dict[str, Workload] = {
 """The workload table: edit the target and epoch budget here (``--target`` and
 ``--epochs`` override them for every selected workload)."""
 
-DEFAULT_WORKLOADS: tuple[str, ...] = ("gap_cnn", "small_cnn", "resnet20")
-"""The workloads ``kaisa demo`` runs without ``--workload``."""
+DEFAULT_WORKLOADS: tuple[str, ...] = ("gap_cnn", "small_cnn")
+"""The workloads ``kaisa demo`` runs without ``--workload``.
+
+ResNet-20 is not among them yet: on the 2-core machines of this project one
+of its steps takes 150–300 ms (GapCNN's 50), so its six arms over three seeds
+alone would take over an hour, beyond ``make demo``'s half hour. Run it with
+``--workload resnet20``; its target, epochs and learning rates are not
+calibrated yet."""
 
 
 # --- arms ----------------------------------------------------------------------
