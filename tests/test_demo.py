@@ -805,3 +805,21 @@ def test_soap_without_heavyball(
         build_optimizer(build_model("gap_cnn", in_channels=1), make_arm("soap", 1e-3))
     # Without soap among the arms heavyball is not needed.
     assert _suite("--arms", "sgd,muon").workloads[0].arms[1].name == "muon"
+
+
+def test_the_summary_names_kaisas_automatic_choice() -> None:
+    from kaisa.demo.report import _choice_text
+
+    row = {
+        "curvature_choice": {
+            "specs": {"conv": ["exact", "exact"], "fc1": ["kvec", "lowrank:8"]},
+            "factor_update_steps": 80,
+            "inv_update_steps": 100,
+            "kfac_work": 9.0,
+            "training_work": 100.0,
+        }
+    }
+    assert _choice_text(row) == (
+        "factors/inverses every 80/100 steps, modelled share 0.090; A/G held as: fc1 kvec/lowrank:8"
+    )
+    assert _choice_text({}) == ""

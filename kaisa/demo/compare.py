@@ -221,6 +221,7 @@ def summarize(
             entry["kfac_share"] = _median_known(col("kfac_share"))
             entry["kfac_phase_seconds"] = _phase_medians(per_seed)
             entry["kfac_options"] = mine[0].kfac_options if mine else {}
+            entry["curvature_choice"] = mine[0].kfac_choice if mine else {}
         entry["per_seed"] = per_seed
         arms[arm.name] = entry
     steps_per_epoch = runs[0].steps_per_epoch if runs else None
@@ -303,6 +304,7 @@ def summarize_suite(
             if "kfac_share" in arm:
                 row["kfac_share"] = arm["kfac_share"]
                 row["kfac_phase_seconds"] = arm["kfac_phase_seconds"]
+                row["curvature_choice"] = arm.get("curvature_choice") or {}
             rows.append(row)
     return {
         "rows": rows,

@@ -363,6 +363,24 @@ def _phase_text(row: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v:.2f} s" for k, v in phases.items() if v > 0)
 
 
+def _choice_text(row: dict[str, Any]) -> str:
+    """kaisa's automatic choice (seed 0's), e.g. 'factors/inverses every 80/100; fc1 A kvec'."""
+    choice = row.get("curvature_choice") or {}
+    if not choice:
+        return ""
+    held = [
+        f"{name} {a}/{g}"
+        for name, (a, g) in choice.get("specs", {}).items()
+        if (a, g) != ("exact", "exact")
+    ]
+    share = float(choice.get("kfac_work", 0.0)) / max(float(choice.get("training_work", 1)), 1e-30)
+    return (
+        f"factors/inverses every {choice.get('factor_update_steps')}/"
+        f"{choice.get('inv_update_steps')} steps, modelled share {share:.3f}; "
+        + ("A/G held as: " + ", ".join(held) if held else "every layer exact")
+    )
+
+
 def _summary_notes(summary: dict[str, Any]) -> list[str]:
     seeds = summary["seeds"]
     notes = [
@@ -388,6 +406,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         phases = _phase_text(row)
         if phases:
             lines.append(f"K-FAC phases, {row['workload']} {_label(row['arm'])}: {phases}")
+        choice = _choice_text(row)
+        if choice:
+            lines.append(f"K-FAC choice, {row['workload']} {_label(row['arm'])}: {choice}")
     lines += _summary_notes(summary)
     return "\n".join(lines)
 
@@ -404,6 +425,12 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         lines += ["", "K-FAC's seconds per phase (median over seeds):", ""]
         lines += [
             f"- {row['workload']}, {_label(row['arm'])}: {text}" for row, text in phases if text
+        ]
+    choices = [(row, _choice_text(row)) for row in summary["rows"]]
+    if any(text for _, text in choices):
+        lines += ["", "kaisa's automatic curvature choice (seed 0):", ""]
+        lines += [
+            f"- {row['workload']}, {_label(row['arm'])}: {text}" for row, text in choices if text
         ]
     lines += ["", *_summary_notes(summary)]
     at_start = (summary["machine"].get("at_start") or {}).get("load_average_1_5_15")

@@ -25,6 +25,7 @@ the number of processes. Evaluation is split across ranks the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import resource
@@ -120,6 +121,9 @@ class RunResult:
     optimizer_info: dict[str, Any] = field(default_factory=dict)
     #: The options the K-FAC preconditioner ran with (K-FAC arms only).
     kfac_options: dict[str, Any] = field(default_factory=dict)
+    #: What kaisa's time budget chose: each layer's representations, the
+    #: intervals, the modelled share (K-FAC arms with an automatic choice only).
+    kfac_choice: dict[str, Any] = field(default_factory=dict)
 
     @property
     def seconds_per_step(self) -> float:
@@ -300,6 +304,8 @@ def _jsonable(value: Any) -> Any:
         return value
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
     if callable(value):
         return "callable"
     return str(value)
@@ -307,7 +313,6 @@ def _jsonable(value: Any) -> Any:
 
 def kfac_options(pre: Any) -> dict[str, Any]:
     """The options a ``KFACPreconditioner`` runs with, as JSON (``lr`` is the demo's callable)."""
-    import dataclasses
 
     options = getattr(pre, "options", None)
     if options is None or not dataclasses.is_dataclass(options):
@@ -518,6 +523,9 @@ def _arm_run(
     result.train_seconds = clock
     phases = _kfac_phase_seconds(pre) if pre is not None else {}
     result.kfac_phase_seconds = phases
+    choice = getattr(pre, "curvature_choice", None)
+    if choice is not None:
+        result.kfac_choice = _jsonable(dataclasses.asdict(choice))
     if pre is not None:
         result.kl_clipped_steps = pre.telemetry.kl_clipped_steps
     # K-FAC's cost: the time inside preconditioner.step() plus what its hooks
