@@ -21,9 +21,15 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from kaisa.curvature.block import KroneckerBlock
+from kaisa.curvature.block import (
+    BlockLayout,
+    CheckedBlockState,
+    KroneckerBlock,
+    check_block_state,
+    check_count,
+)
 from kaisa.curvature.budget import BudgetChoice, LayerWork, choose_curvature
-from kaisa.curvature.costs import Capture
+from kaisa.curvature.costs import Capture, SideSpec
 from kaisa.curvature.linalg import compute_dtype, kl_clip_scale
 from kaisa.distributed.comm import Communicator, Payload, PayloadKey, default_world, plan_layout
 from kaisa.distributed.plan import LayerShape, WorkPlan, make_plan
@@ -38,6 +44,49 @@ _ALL_KEYS: tuple[PayloadKey, ...] = (
     ("g", "gram"),
     ("g", "moments"),
 )
+
+
+#: The checkpoint format :meth:`KFACPreconditioner.state_dict` writes. A state
+#: dict without a ``"format"`` key is format 1, from before curvature
+#: representations (exact curvature only, no options recorded).
+STATE_FORMAT = 2
+#: The options that shape the saved state, with their allowed values; the
+#: state dict records them.
+_STATE_OPTIONS: dict[str, tuple[object, ...]] = {
+    "compute_method": ("eigen", "inverse"),
+    "damping_mode": ("absolute", "relative"),
+    "compute_eigenvalue_outer_product": (True, False),
+    "factor_init": ("identity", "first_batch"),
+}
+
+
+@dataclass(frozen=True)
+class _Restore:
+    """A checked checkpoint, ready to install: nothing in it can fail any more."""
+
+    choice: BudgetChoice | None  # an automatic choice to adopt
+    blocks: dict[str, CheckedBlockState]
+    second_order: set[str]  # layers whose second-order state is loaded
+    steps: int
+    recompute: bool  # the second-order state is recomputed at the next step()
+    converted: list[str]  # options whose other value in the checkpoint was converted
+
+
+def _legacy_method(saved: object, default: str) -> tuple[str, bool]:
+    """The compute method and outer product a format-1 layer state was written with.
+
+    Format 1 records no options; its exact sides hold ``[Q, λ]`` (eigen) or
+    ``[(F + γI)⁻¹]`` (inverse), and an outer product only with the eigen
+    method. The state is then checked against that (and recomputed anyway).
+    """
+    if not isinstance(saved, Mapping):
+        return default, False
+    second = saved.get("second_order")
+    tensors = second.get("a") if isinstance(second, Mapping) else None
+    method = default
+    if isinstance(tensors, (list, tuple)):
+        method = "eigen" if len(tensors) == 2 else "inverse"
+    return method, "outer_inverse" in saved
 
 
 @dataclass
@@ -711,31 +760,92 @@ class KFACPreconditioner:
         return usage
 
     def state_dict(self) -> dict[str, Any]:
-        """All that is needed to continue bit-identically: steps, factors, second-order state."""
+        """All that is needed to continue bit-identically: steps, factors, second-order state.
+
+        Also recorded: the format version (:data:`STATE_FORMAT`), the placement
+        it was written under, the options that shape the state
+        (``compute_method``, ``damping_mode``,
+        ``compute_eigenvalue_outer_product``, ``factor_init``), the automatic
+        curvature choice, and each layer's representations.
+        """
         choice = self.curvature_choice
         return {
+            "format": STATE_FORMAT,
             "steps": self._steps,
             "world_size": self.world_size,
             "grad_workers": self.plan.grad_workers,
+            "options": {name: getattr(self.options, name) for name in _STATE_OPTIONS},
             "curvature_choice": None if choice is None else dataclasses.asdict(choice),
             "layers": {layer.name: layer.block.state_dict() for layer in self.layers},
         }
 
     def _saved_choice(self, saved: object) -> BudgetChoice | None:
-        """The checkpoint's automatic choice, checked against this preconditioner."""
+        """The checkpoint's automatic choice, checked against this preconditioner (no change)."""
         if saved is None:
             return None
-        try:
-            choice = BudgetChoice(**saved)  # type: ignore[arg-type]
-            specs = {name: (str(a), str(g)) for name, (a, g) in choice.specs.items()}
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"state_dict 'curvature_choice' is malformed: {error}") from None
+        where = "state_dict 'curvature_choice'"
+        if not isinstance(saved, Mapping):
+            raise TypeError(f"{where} must be a dict or None; got {type(saved).__name__}")
+        fields = [f.name for f in dataclasses.fields(BudgetChoice)]
+        missing = [name for name in fields if name not in saved]
+        unexpected = sorted(repr(key) for key in saved if key not in fields)
+        if missing or unexpected:
+            raise ValueError(
+                f"{where} is malformed: missing {missing}, unexpected [{', '.join(unexpected)}]"
+            )
+        raw = saved["specs"]
+        if not isinstance(raw, Mapping):
+            raise TypeError(
+                f"{where} is malformed: 'specs' must map layer names to (A, G); "
+                f"got {type(raw).__name__}"
+            )
+        specs: dict[str, tuple[str, str]] = {}
+        for name, pair in raw.items():
+            if not isinstance(name, str) or not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise TypeError(
+                    f"{where} is malformed: specs[{name!r}] must be a pair (A, G) of "
+                    f"representations; got {pair!r}"
+                )
+            try:
+                a, g = (str(SideSpec.parse(text)) for text in pair)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"{where} is malformed: specs[{name!r}]: {error}") from None
+            specs[name] = (a, g)
+        factor_steps, inv_steps = (
+            check_count(saved[key], f"{where}: {key!r}", low=1)
+            for key in ("factor_update_steps", "inv_update_steps")
+        )
+        work: list[float] = []
+        for key in ("kfac_work", "training_work", "budget"):
+            value = saved[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{where}: {key!r} must be a number; got {value!r}")
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{where}: {key!r} must be a finite number >= 0; got {value!r}")
+            work.append(float(value))
+        within = saved["within_budget"]
+        if not isinstance(within, bool):
+            raise TypeError(f"{where}: 'within_budget' must be True or False; got {within!r}")
+        choice = BudgetChoice(
+            specs=specs,
+            factor_update_steps=factor_steps,
+            inv_update_steps=inv_steps,
+            kfac_work=work[0],
+            training_work=work[1],
+            budget=work[2],
+            within_budget=within,
+        )
         if set(specs) != {layer.name for layer in self.layers}:
-            raise ValueError("state_dict 'curvature_choice' names other layers than registered")
+            raise ValueError(f"{where} names other layers than registered")
         for layer in self.layers:
-            for side, fixed, chosen in zip(
-                "AG", self._fixed[layer.name], specs[layer.name], strict=True
+            for side, size, fixed, chosen in zip(
+                "AG",
+                (layer.handler.a_size, layer.handler.g_size),
+                self._fixed[layer.name],
+                specs[layer.name],
+                strict=True,
             ):
+                SideSpec.parse(chosen).check_size(size, f"{where}: layer {layer.name!r}, {side}")
                 if fixed is not None and fixed != chosen:
                     raise ValueError(
                         f"state_dict holds {side} of layer {layer.name!r} as {chosen!r}, but "
@@ -751,54 +861,217 @@ class KFACPreconditioner:
                 "state_dict holds another automatic curvature choice than this preconditioner "
                 "made; load it into a new preconditioner (before its first step)"
             )
-        return dataclasses.replace(choice, specs=specs)
+        return choice
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`.
-
-        Layers are matched by name. If the checkpoint was written under a
-        different placement (world size or fraction), second-order state is
-        recomputed from the factors at the next ``step()``. Under KAISA each
-        rank holds second-order state only for its own column's layers, so a
-        checkpoint written by one rank (the usual "save on rank 0") lacks the
-        other columns' state: a rank recomputes its layers' state from the
-        factors at the next ``step()`` when the checkpoint does not have it,
-        and ignores state for layers it does not work on. Restoring each
-        rank's own checkpoint continues bit-identically.
-        """
-        if not isinstance(state_dict, dict) or "layers" not in state_dict:
-            raise ValueError("state_dict is not a KFACPreconditioner state dict")
-        layers = state_dict["layers"]
-        names = {layer.name for layer in self.layers}
-        missing, unexpected = names - set(layers), set(layers) - names
+    def _saved_options(self, saved: object) -> dict[str, object]:
+        """The checkpoint's ``'options'``, checked for form (their values may differ from ours)."""
+        where = "state_dict 'options'"
+        if not isinstance(saved, Mapping):
+            raise TypeError(f"{where} must be a dict; got {type(saved).__name__}")
+        missing = [name for name in _STATE_OPTIONS if name not in saved]
+        unexpected = sorted(repr(key) for key in saved if key not in _STATE_OPTIONS)
         if missing or unexpected:
             raise ValueError(
+                f"{where} is malformed: missing {missing}, unexpected [{', '.join(unexpected)}]"
+            )
+        for name, allowed in _STATE_OPTIONS.items():
+            value = saved[name]
+            if type(value) is not type(allowed[0]):
+                raise TypeError(f"{where}: {name} must be one of {allowed}; got {value!r}")
+            if value not in allowed:
+                raise ValueError(f"{where}: {name} must be one of {allowed}; got {value!r}")
+        return dict(saved)
+
+    def _check_state_dict(self, state_dict: object) -> _Restore:
+        """Everything :meth:`load_state_dict` will install, checked; nothing is changed here."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                "state_dict must be a dict from KFACPreconditioner.state_dict(); "
+                f"got {type(state_dict).__name__}"
+            )
+        version = state_dict.get("format", 1)
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"state_dict 'format' must be an integer; got {version!r}")
+        if version not in (1, STATE_FORMAT):
+            raise ValueError(
+                f"state_dict has format version {version}; this kaisa reads versions 1 and "
+                f"{STATE_FORMAT} (was it written by a newer kaisa?)"
+            )
+        legacy = version == 1
+        required = ["grad_workers", "layers", "steps", "world_size"]
+        if not legacy:
+            required += ["curvature_choice", "format", "options"]
+        allowed = [*required, "curvature_choice", "format"]
+        missing = sorted(key for key in required if key not in state_dict)
+        if missing:
+            raise ValueError(
+                f"state_dict is not a KFACPreconditioner state dict (format {version}): "
+                f"it lacks the keys {missing}"
+            )
+        unexpected = sorted(repr(key) for key in state_dict if key not in allowed)
+        if unexpected:
+            raise ValueError(
+                f"state_dict (format {version}) holds unexpected keys {', '.join(unexpected)}"
+            )
+        steps = check_count(state_dict["steps"], "state_dict 'steps'")
+        world_size = check_count(state_dict["world_size"], "state_dict 'world_size'", low=1)
+        grad_workers = check_count(state_dict["grad_workers"], "state_dict 'grad_workers'", low=1)
+        saved_options = None if legacy else self._saved_options(state_dict["options"])
+        layers = state_dict["layers"]
+        if not isinstance(layers, Mapping):
+            raise TypeError(
+                f"state_dict 'layers' must be a dict of layer states; got {type(layers).__name__}"
+            )
+        names = {layer.name for layer in self.layers}
+        missing_layers = sorted(name for name in names if name not in layers)
+        unexpected_layers = sorted(repr(key) for key in layers if key not in names)
+        if missing_layers or unexpected_layers:
+            raise ValueError(
                 "state_dict layers do not match the registered layers: "
-                f"missing {sorted(missing)}, unexpected {sorted(unexpected)}"
+                f"missing {missing_layers}, unexpected [{', '.join(unexpected_layers)}]"
             )
         choice = self._saved_choice(state_dict.get("curvature_choice"))
-        if choice is not None and self._choice_pending:
-            self._apply_choice(choice)
-        same_plan = (
-            state_dict.get("world_size") == self.world_size
-            and state_dict.get("grad_workers") == self.plan.grad_workers
+        adopt = choice if choice is not None and self._choice_pending else None
+        if adopt is not None:
+            specs = {layer.name: adopt.specs[layer.name] for layer in self.layers}
+            plan = self._make_plan([(la.name, la.handler, specs[la.name]) for la in self.layers])
+        else:
+            specs = {
+                layer.name: (str(layer.block.specs[0]), str(layer.block.specs[1]))
+                for layer in self.layers
+            }
+            plan = self.plan
+        if legacy:
+            for name, (a, g) in specs.items():
+                if (a, g) != ("exact", "exact"):
+                    raise ValueError(
+                        "state_dict has no 'format': it was written before curvature "
+                        f"representations (format 1, exact curvature only), but this "
+                        f"preconditioner holds layer {name!r} as ({a!r}, {g!r}); construct "
+                        "it with curvature='exact' to load it"
+                    )
+        auto_sides = [
+            f"{name}.{side}"
+            for name, fixed in self._fixed.items()
+            for side, value in zip("AG", fixed, strict=True)
+            if value is None
+        ]
+        # A well-formed positive counter (a bad one is refused below, by name).
+        folded = legacy or any(
+            isinstance(entry, Mapping)
+            and type(entry.get("updates")) is int
+            and entry["updates"] > 0
+            for entry in layers.values()
         )
-        recompute = not same_plan
+        if choice is None and self._choice_pending and auto_sides and folded:
+            raise ValueError(
+                "state_dict has no automatic curvature choice but holds folded factors (it was "
+                "written with fixed curvature), while this preconditioner leaves "
+                f"{', '.join(auto_sides)} to curvature='auto', whose choice at the first factor "
+                "update would replace them; construct it with the checkpoint's curvature "
+                "(each layer's 'representation')"
+            )
+        # Options that shape the second-order state: another value converts (the
+        # state is recomputed from the factors); factor_init only steers later
+        # updates of the factors and is accepted as it is.
+        converted = []
+        if saved_options is not None:
+            for name in ("compute_method", "damping_mode", "compute_eigenvalue_outer_product"):
+                if saved_options[name] != getattr(self.options, name):
+                    converted.append(
+                        f"{name}={saved_options[name]!r} (this preconditioner: "
+                        f"{getattr(self.options, name)!r})"
+                    )
+        same_plan = world_size == self.world_size and grad_workers == plan.grad_workers
+        keep = same_plan and not legacy and not converted
+        recompute = not keep
+        blocks: dict[str, CheckedBlockState] = {}
+        load_second_order: set[str] = set()
         for layer in self.layers:
-            saved = dict(layers[layer.name])
-            works_here = self.plan.is_grad_worker(layer.name, self.rank)
-            if not same_plan or not works_here:
-                saved.pop("second_order", None)
-                saved.pop("outer_inverse", None)
-            elif "second_order" not in saved:
-                # Written by a rank of another column. Every rank of this column
-                # sees the same checkpoint and decides alike, and the recompute
-                # only talks inside the column, so ranks need not agree on this.
-                recompute = True
-            layer.block.load_state_dict(saved)
-        self._steps = int(state_dict["steps"])
+            saved = layers[layer.name]
+            if saved_options is not None:
+                method, outer = (
+                    saved_options["compute_method"],
+                    saved_options["compute_eigenvalue_outer_product"],
+                )
+            else:
+                method, outer = _legacy_method(saved, self.options.compute_method)
+            handler = layer.handler
+            layout = BlockLayout(
+                layer.name,
+                handler.a_size,
+                handler.g_size,
+                (SideSpec.parse(specs[layer.name][0]), SideSpec.parse(specs[layer.name][1])),
+                method,  # type: ignore[arg-type]
+                bool(outer),
+                device=handler.weight.device,
+                factor_dtype=self.factor_dtype,
+                inv_dtype=self.inv_dtype,
+            )
+            works_here = plan.is_grad_worker(layer.name, self.rank)
+            checked = check_block_state(
+                saved, layout, legacy=legacy, second_order=keep and works_here
+            )
+            blocks[layer.name] = checked
+            if keep and works_here:
+                if checked.second_order is not None:
+                    load_second_order.add(layer.name)
+                else:
+                    # Written by a rank of another column. Every rank of this column
+                    # sees the same checkpoint and decides alike, and the recompute
+                    # only talks inside the column, so ranks need not agree on this.
+                    recompute = True
+        return _Restore(adopt, blocks, load_second_order, steps, recompute, converted)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; a refused one leaves the preconditioner as it was.
+
+        Everything is checked before anything changes: the form and format
+        version, layer names, the automatic curvature choice, each layer's
+        representations, factor shapes and dtypes, counters, every
+        second-order tensor's count and shape, and that all tensors are
+        finite. A bad checkpoint raises ``TypeError`` or ``ValueError`` naming
+        the layer, the key or the option.
+
+        Layers are matched by name. A checkpoint written with another
+        ``compute_method``, ``damping_mode`` or
+        ``compute_eigenvalue_outer_product`` is converted (with a warning):
+        its factors are loaded and the second-order state is recomputed from
+        them at the next ``step()``; another ``factor_init`` is accepted (it
+        only steers later factor updates). A checkpoint without a format
+        version (format 1, written before curvature representations) loads
+        into all-exact layers only, and its second-order state is recomputed.
+
+        If the checkpoint was written under a different placement (world size
+        or fraction), second-order state is recomputed from the factors at
+        the next ``step()``. Under KAISA each rank holds second-order state
+        only for its own column's layers, so a checkpoint written by one rank
+        (the usual "save on rank 0") lacks the other columns' state: a rank
+        recomputes its layers' state from the factors at the next ``step()``
+        when the checkpoint does not have it, and ignores state for layers it
+        does not work on. Restoring each rank's own checkpoint continues
+        bit-identically.
+        """
+        restore = self._check_state_dict(state_dict)
+        if restore.converted:
+            warnings.warn(
+                "kaisa: the checkpoint was written with "
+                + ", ".join(restore.converted)
+                + "; its factors are loaded and the second-order state is recomputed from "
+                "them at the next step()",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        # Nothing below can fail: every value was checked above.
+        if restore.choice is not None:
+            self._apply_choice(restore.choice)
+        for layer in self.layers:
+            layer.block.load_checked(
+                restore.blocks[layer.name], second_order=layer.name in restore.second_order
+            )
+        self._steps = restore.steps
         self._capture_this_step = self._is_factor_step()
-        self._force_inverse_update = recompute
+        self._force_inverse_update = restore.recompute
 
     def remove_hooks(self) -> None:
         """Detach from the model (the preconditioner can no longer capture)."""

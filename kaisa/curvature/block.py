@@ -13,6 +13,8 @@ receives it is decided elsewhere.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -29,6 +31,7 @@ from kaisa.curvature.representations import (
     LowRankSide,
     Side,
     SideSpec,
+    checkpoint_shapes,
     make_side,
     split_damping,
 )
@@ -269,55 +272,308 @@ class KroneckerBlock:
             state["warm_start"] = warm
         return state
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        a, g = state["a"], state["g"]
-        if not isinstance(a, torch.Tensor) or not isinstance(g, torch.Tensor):
-            raise TypeError(f"layer {self.name!r}: factors in the state dict must be tensors")
-        saved = state.get("representation", ["exact", "exact"])
-        mine = [str(spec) for spec in self.specs]
-        if list(saved) != mine:  # type: ignore[call-overload]
-            raise ValueError(
-                f"layer {self.name!r}: the state dict holds representations {list(saved)} "  # type: ignore[call-overload]
-                f"(A, G), this preconditioner {mine}; pass the same curvature choice"
+    def layout(self) -> BlockLayout:
+        """What this block's checkpoints look like (see :func:`check_block_state`)."""
+        return BlockLayout(
+            self.name,
+            self.a_size,
+            self.g_size,
+            self.specs,
+            self.method,
+            self.eigen_outer_product,
+            device=self.a.device,
+            factor_dtype=self.a.dtype,
+            inv_dtype=self.inv_dtype,
+        )
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Restore a :meth:`state_dict`; all of it is checked first, a refused one changes nothing.
+
+        A state without ``'representation'`` (written before representations
+        existed) is read as both sides exact.
+        """
+        legacy = isinstance(state, Mapping) and "representation" not in state
+        self.load_checked(check_block_state(state, self.layout(), legacy=legacy))
+
+    def load_checked(self, checked: CheckedBlockState, second_order: bool = True) -> None:
+        """Install a state :func:`check_block_state` accepted for :meth:`layout` (cannot fail).
+
+        Without second-order state in ``checked`` (or with ``second_order``
+        off) an allocated block goes back to the identity's state, which the
+        caller recomputes from the loaded factors. Low-rank warm starts are
+        the checkpoint's (``None`` where it has none).
+        """
+        self.a.copy_(checked.a)
+        self.g.copy_(checked.g)
+        self.updates = checked.updates
+        if second_order and checked.second_order is not None:
+            self.allocate_second_order()
+            for which, tensors in checked.second_order.items():
+                for target, value in zip(self.sides[which].state, tensors, strict=True):
+                    target.copy_(value)
+            if checked.outer_inverse is not None:
+                self.outer_inverse = checked.outer_inverse.clone()
+        elif self.has_second_order:
+            for side in self.sides.values():
+                side.state = []
+                side.allocate()
+            self.outer_inverse = None
+            if self.eigen_outer_product:
+                self.finish_update(0.0)
+        for which, side in self.sides.items():
+            if isinstance(side, LowRankSide):
+                basis = checked.warm_start.get(which)
+                side.warm_basis = None if basis is None else basis.clone()
+
+
+# -- checkpoints: what a block's state dict must hold ------------------------------------
+
+_BLOCK_KEYS = ("a", "g", "updates", "representation", "second_order", "outer_inverse", "warm_start")
+_REQUIRED_BLOCK_KEYS = ("a", "g", "updates", "representation")
+#: Keys that only checkpoints written before representations hold (ignored).
+_LEGACY_BLOCK_KEYS = ("outer_damping",)
+_SIDES: tuple[Factor, Factor] = ("a", "g")
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """The checkpoint of a block with these sizes, representations and options.
+
+    ``method`` and ``eigen_outer_product`` are the options as given: as in
+    :class:`KroneckerBlock`, a layer with a side that is not exact holds its
+    exact sides in the eigen form, and the outer product belongs to
+    all-exact eigen layers only.
+    """
+
+    name: str
+    a_size: int
+    g_size: int
+    specs: tuple[SideSpec, SideSpec]
+    method: ComputeMethod
+    eigen_outer_product: bool
+    device: torch.device
+    factor_dtype: torch.dtype
+    inv_dtype: torch.dtype
+
+    @property
+    def exact(self) -> bool:
+        return all(spec.kind == "exact" for spec in self.specs)
+
+    @property
+    def side_method(self) -> ComputeMethod:
+        return self.method if self.exact else "eigen"
+
+    @property
+    def outer(self) -> bool:
+        """Whether second-order state comes with ``1 ⊘ (λ_G λ_Aᵀ + γ)``."""
+        return self.eigen_outer_product and self.exact and self.method == "eigen"
+
+
+@dataclass(frozen=True)
+class CheckedBlockState:
+    """A block's state dict after :func:`check_block_state`: tensors cast, nothing missing.
+
+    ``second_order`` is ``None`` when the state dict has none or the caller
+    did not ask for it (``saved_second_order`` tells which).
+    """
+
+    a: torch.Tensor
+    g: torch.Tensor
+    updates: int
+    saved_second_order: bool
+    second_order: dict[Factor, list[torch.Tensor]] | None
+    outer_inverse: torch.Tensor | None
+    warm_start: dict[Factor, torch.Tensor]
+
+
+def check_count(value: object, what: str, low: int = 0) -> int:
+    """``value`` if it is an integer (not a bool) ``>= low``; else ``TypeError``/``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an integer >= {low}; got {value!r}")
+    if value < low:
+        raise ValueError(f"{what} must be an integer >= {low}; got {value!r}")
+    return value
+
+
+def check_tensor(
+    value: object,
+    what: str,
+    shape: tuple[int, ...],
+    device: torch.device,
+    dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """A finite floating tensor of ``shape``, cast to ``dtype`` (``None``: its own) on ``device``.
+
+    ``TypeError`` for a non-tensor or a non-floating dtype, ``ValueError`` for
+    another shape or an entry that is NaN or infinite (checked after the
+    cast, which can overflow). ``what`` names the tensor in the messages.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{what} must be a tensor; got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(f"{what} must be a floating-point tensor; got dtype {value.dtype}")
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{what} has shape {tuple(value.shape)}, expected {shape}")
+    cast = value.detach().to(device=device, dtype=value.dtype if dtype is None else dtype)
+    if not bool(torch.isfinite(cast).all()):
+        note = f" (as {cast.dtype})" if cast.dtype != value.dtype else ""
+        raise ValueError(f"{what} holds NaN or Inf{note}")
+    return cast
+
+
+def _keys(state: Mapping[object, object], allowed: Sequence[str], where: str) -> None:
+    unexpected = sorted(repr(key) for key in state if key not in allowed)
+    if unexpected:
+        raise ValueError(f"{where} holds unexpected keys {', '.join(unexpected)}")
+
+
+def check_block_state(
+    state: object,
+    layout: BlockLayout,
+    *,
+    legacy: bool = False,
+    second_order: bool = True,
+) -> CheckedBlockState:
+    """Check a block's state dict against ``layout`` completely, changing nothing.
+
+    Keys, representations, factor shapes and dtypes, ``updates``, every
+    second-order tensor's count and shape (for its side's representation and
+    compute method), the eigenvalue outer product, the low-rank warm-start
+    basis, and that every tensor is finite. Raises ``TypeError`` (wrong kind)
+    or ``ValueError`` (wrong value) naming the layer and what is wrong.
+
+    ``legacy``: a state written before representations existed (no
+    ``'representation'``, optional ``'updates'``, both sides exact).
+    ``second_order=False``: the second-order tensors are checked but not kept.
+    """
+    where = f"layer {layout.name!r}"
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{where}: its state must be a dict; got {type(state).__name__}")
+    _keys(state, _BLOCK_KEYS + (_LEGACY_BLOCK_KEYS if legacy else ()), f"{where}: its state")
+    required = ("a", "g") if legacy else _REQUIRED_BLOCK_KEYS
+    missing = [key for key in required if key not in state]
+    if missing:
+        raise ValueError(f"{where}: its state lacks the keys {missing}")
+    saved = state.get("representation", ["exact", "exact"])
+    if (
+        not isinstance(saved, (list, tuple))
+        or len(saved) != 2
+        or not all(isinstance(text, str) for text in saved)
+    ):
+        raise TypeError(
+            f"{where}: 'representation' must be a pair (A, G) of strings; got {saved!r}"
+        )
+    try:
+        saved_specs = [str(SideSpec.parse(text)) for text in saved]
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}: 'representation' {list(saved)!r}: {error}") from None
+    mine = [str(spec) for spec in layout.specs]
+    if saved_specs != mine:
+        raise ValueError(
+            f"{where}: the state dict holds representations {saved_specs} (A, G), this "
+            f"preconditioner {mine}; pass the same curvature choice"
+        )
+    device = layout.device
+    sizes: dict[Factor, int] = {"a": layout.a_size, "g": layout.g_size}
+    shapes = {
+        which: checkpoint_shapes(spec, sizes[which], layout.side_method)
+        for which, spec in zip(_SIDES, layout.specs, strict=True)
+    }
+    a = check_tensor(state["a"], f"{where}: factor A", shapes["a"][0], device, layout.factor_dtype)
+    g = check_tensor(state["g"], f"{where}: factor G", shapes["g"][0], device, layout.factor_dtype)
+    updates = check_count(state.get("updates", 0), f"{where}: state dict 'updates'")
+
+    loaded: dict[Factor, list[torch.Tensor]] | None = None
+    has_second = "second_order" in state
+    if has_second:
+        second = state["second_order"]
+        if not isinstance(second, Mapping):
+            raise TypeError(
+                f"{where}: 'second_order' must be a dict of the sides 'a' and 'g'; "
+                f"got {type(second).__name__}"
             )
-        if a.shape != self.a.shape or g.shape != self.g.shape:
+        if set(second) != {"a", "g"}:
             raise ValueError(
-                f"layer {self.name!r}: state dict factors have shapes {tuple(a.shape)} and "
-                f"{tuple(g.shape)}, expected {tuple(self.a.shape)} and {tuple(self.g.shape)}"
+                f"{where}: 'second_order' must hold the sides 'a' and 'g'; got "
+                f"[{', '.join(sorted(repr(key) for key in second))}]"
             )
-        updates = state.get("updates", 0)
-        if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
+        loaded = {}
+        for which, spec in zip(_SIDES, layout.specs, strict=True):
+            tensors = second[which]
+            expected = shapes[which][1]
+            if not isinstance(tensors, (list, tuple)):
+                raise TypeError(
+                    f"{where}: second-order state of {which!r} must be a list of tensors; "
+                    f"got {type(tensors).__name__}"
+                )
+            got = [
+                tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in tensors
+            ]
+            if len(tensors) != len(expected) or any(
+                isinstance(t, torch.Tensor) and tuple(t.shape) != shape
+                for t, (_, shape) in zip(tensors, expected, strict=False)
+            ):
+                method = (
+                    f" and compute method {layout.side_method!r}" if spec.kind == "exact" else ""
+                )
+                described = ", ".join(f"{name} {shape}" for name, shape in expected)
+                raise ValueError(
+                    f"{where}: second-order state of {which!r} does not match the "
+                    f"representations {mine} (A, G){method}: expected {described}; got {got}"
+                )
+            loaded[which] = [
+                check_tensor(
+                    t, f"{where}: {name} of {which.upper()}", shape, device, layout.inv_dtype
+                )
+                for t, (name, shape) in zip(tensors, expected, strict=True)
+            ]
+    outer: torch.Tensor | None = None
+    if "outer_inverse" in state:
+        if not layout.outer:
             raise ValueError(
-                f"layer {self.name!r}: state dict 'updates' must be an integer >= 0; "
-                f"got {updates!r}"
+                f"{where}: the state dict holds an eigenvalue outer product ('outer_inverse'), "
+                f"which this layer does not use (compute_method {layout.method!r}, "
+                f"compute_eigenvalue_outer_product {layout.eigen_outer_product}, "
+                f"representations {mine})"
             )
-        second = state.get("second_order")
-        loaded: dict[str, list[torch.Tensor]] = {}
-        if isinstance(second, dict):
-            for which, tensors in second.items():
-                expected = self.sides[which].allocate() if which in self.sides else None
-                if (
-                    expected is None
-                    or len(tensors) != len(expected)
-                    or any(t.shape != e.shape for t, e in zip(tensors, expected, strict=False))
-                ):
-                    raise ValueError(
-                        f"layer {self.name!r}: second-order state of {which!r} does not match "
-                        f"the representations {[str(spec) for spec in self.specs]} (A, G)"
-                    )
-                loaded[which] = tensors
-        self.a.copy_(a)
-        self.g.copy_(g)
-        self.updates = updates
-        for which, tensors in loaded.items():
-            for target, value in zip(self.sides[which].state, tensors, strict=True):  # type: ignore[index]
-                target.copy_(value)
-        warm = state.get("warm_start")
-        if isinstance(warm, dict):
-            for which, basis in warm.items():
-                side = self.sides.get(which)
-                if isinstance(side, LowRankSide) and isinstance(basis, torch.Tensor):
-                    side.warm_basis = basis.to(device=self.a.device).clone()
-        outer = state.get("outer_inverse")
-        if isinstance(outer, torch.Tensor) and self.eigen_outer_product:
-            self.outer_inverse = outer.to(device=self.a.device, dtype=self.inv_dtype).clone()
+        if not has_second:
+            raise ValueError(
+                f"{where}: the state dict holds 'outer_inverse' without 'second_order'"
+            )
+        outer = check_tensor(
+            state["outer_inverse"],
+            f"{where}: eigenvalue outer product",
+            (layout.g_size, layout.a_size),
+            device,
+            layout.inv_dtype,
+        )
+    elif layout.outer and has_second:
+        raise ValueError(
+            f"{where}: the state dict lacks 'outer_inverse', the eigenvalue outer product "
+            "of its second-order state"
+        )
+    warm: dict[Factor, torch.Tensor] = {}
+    if "warm_start" in state:
+        bases = state["warm_start"]
+        if not isinstance(bases, Mapping):
+            raise TypeError(f"{where}: 'warm_start' must be a dict; got {type(bases).__name__}")
+        _keys(bases, ("a", "g"), f"{where}: 'warm_start'")
+        for which in _SIDES:
+            if which not in bases:
+                continue
+            shape = shapes[which][2]
+            if shape is None:
+                raise ValueError(
+                    f"{where}: 'warm_start' holds a basis for {which.upper()}, which is "
+                    f"held as {mine[0 if which == 'a' else 1]!r} (only 'lowrank' has one)"
+                )
+            warm[which] = check_tensor(
+                bases[which],
+                f"{where}: low-rank warm-start basis of {which.upper()}",
+                shape,
+                device,
+                None,
+            )
+    if not second_order:
+        loaded, outer = None, None
+    return CheckedBlockState(a, g, updates, has_second, loaded, outer, warm)

@@ -68,6 +68,7 @@ __all__ = [
     "SideCost",
     "SideKind",
     "SideSpec",
+    "checkpoint_shapes",
     "make_side",
     "side_cost",
     "split_damping",
@@ -427,6 +428,41 @@ def make_side(
     if spec.kind == "kvec":
         return KroneckerVectorSide(name, size, **kw)  # type: ignore[arg-type]
     return DiagonalSide(name, size, **kw)  # type: ignore[arg-type]
+
+
+#: Names of a side's second-order tensors, in :meth:`Side.state_tensors` order (messages).
+_STATE_NAMES: dict[str, tuple[str, ...]] = {
+    "exact-eigen": ("eigenvectors", "eigenvalues"),
+    "exact-inverse": ("damped inverse",),
+    "lowrank": ("basis U", "eigenvalues", "sigma"),
+    "kvec": ("mean row",),
+    "diagonal": ("diagonal",),
+}
+
+
+def checkpoint_shapes(
+    spec: SideSpec, size: int, method: str = "eigen"
+) -> tuple[tuple[int, ...], list[tuple[str, tuple[int, ...]]], tuple[int, ...] | None]:
+    """What a side held as ``spec`` checkpoints, for validating a state dict.
+
+    Returns the running average's shape, the second-order tensors' names and
+    shapes (in :meth:`Side.state_tensors` order; ``method`` matters to
+    ``'exact'`` only) and the low-rank warm-start basis's shape (``None`` for
+    other kinds). Computed from the spec alone: nothing is allocated.
+    """
+    n = size
+    factor = (n, n) if spec.capture == "gram" else (2, n)
+    warm: tuple[int, ...] | None = None
+    if spec.kind == "exact":
+        key = f"exact-{method}"
+        shapes: list[tuple[int, ...]] = [(n, n), (n,)] if method == "eigen" else [(n, n)]
+    elif spec.kind == "lowrank":
+        assert spec.rank is not None
+        key, shapes = "lowrank", [(n, spec.rank), (spec.rank,), (1,)]
+        warm = (n, min(n, spec.rank + OVERSAMPLING))
+    else:
+        key, shapes = spec.kind, [(n,)]
+    return factor, list(zip(_STATE_NAMES[key], shapes, strict=True)), warm
 
 
 def split_damping(

@@ -6,10 +6,16 @@ other columns' state. Loading it must not leave those ranks preconditioning
 with the identity's decomposition: they recompute their layers' state from the
 (checkpointed, all-reduced) factors at the next step, exactly as if they had
 an inverse update there, while rank 0's column continues from the checkpoint.
+
+Across world sizes: a checkpoint written by rank 0 of 2 ranks resumes in one
+process, and one written by one process resumes on 4 ranks, at every
+gradient-worker fraction, continuing as the uninterrupted run does (up to
+float32 summation order).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -24,6 +30,7 @@ from test_equivalence import (
     KL_CLIP,
     LR,
     STEPS,
+    TOLERANCE,
     data,
     flat_weights,
     make_model,
@@ -126,3 +133,92 @@ def test_resume_from_own_and_from_rank0_checkpoints(world_size: int) -> None:
         results[0][(0.25, "expected_rank0")]["weights"],
         results[0][(0.25, "uninterrupted")]["weights"],
     )
+
+
+# -- across world sizes: 2 ranks -> 1 process, 1 process -> 4 ranks -------------------------
+
+#: Inverse updates every 2 steps: the resumed step (RESUME_AT) is one, so the
+#: recompute a new placement forces there is the one the uninterrupted run does.
+CROSS_INV_UPDATE_STEPS = 2
+
+
+def _segment(
+    rank: int,
+    world_size: int,
+    fraction: float,
+    steps: range,
+    checkpoint: dict[str, Any] | None = None,
+    save_at: int | None = None,
+) -> dict[str, Any]:
+    """Train ``steps`` on this rank's share (from ``checkpoint``); save before ``save_at``."""
+    xs, ys = data()
+    local = GLOBAL_BATCH // world_size
+    model, preconditioner, optimizer = _build(fraction, CROSS_INV_UPDATE_STEPS)
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        preconditioner.load_state_dict(checkpoint["preconditioner"])
+    saved = None
+    for step in steps:
+        if step == save_at:
+            saved = copy.deepcopy(
+                {"model": model.state_dict(), "preconditioner": preconditioner.state_dict()}
+            )
+        x = xs[step, rank * local : (rank + 1) * local]
+        y = ys[step, rank * local : (rank + 1) * local]
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if world_size > 1:
+            for p in model.parameters():
+                assert p.grad is not None
+                dist.all_reduce(p.grad)
+                p.grad.div_(world_size)
+        preconditioner.step()
+        optimizer.step()
+    return {"weights": flat_weights(model), "checkpoint": saved, "plan": preconditioner.plan}
+
+
+def _save_on_two_ranks(rank: int, world_size: int, fractions: list[float]) -> dict[Any, Any]:
+    return {f: _segment(rank, world_size, f, range(STEPS), save_at=RESUME_AT) for f in fractions}
+
+
+def _resume_on_four_ranks(
+    rank: int, world_size: int, checkpoints: dict[float, dict[str, Any]]
+) -> dict[Any, Any]:
+    return {
+        f: _segment(rank, world_size, f, range(RESUME_AT, STEPS), checkpoint)
+        for f, checkpoint in checkpoints.items()
+    }
+
+
+def test_a_two_rank_checkpoint_resumes_in_one_process() -> None:
+    fractions = [0.5, 1.0]  # MEM-OPT (rank 0 lacks rank 1's layers) and COMM-OPT
+    results = run_distributed(_save_on_two_ranks, 2, fractions, timeout=120)
+    for f in fractions:
+        assert torch.equal(results[0][f]["weights"], results[1][f]["weights"]), f
+        checkpoint = results[0][f]["checkpoint"]
+        assert checkpoint["preconditioner"]["world_size"] == 2
+        resumed = _segment(0, 1, f, range(RESUME_AT, STEPS), checkpoint)
+        # One process continues as the two ranks did (up to float32 summation order).
+        torch.testing.assert_close(
+            resumed["weights"], results[0][f]["weights"], rtol=0, atol=TOLERANCE
+        )
+        # The scenario has teeth: the steps after the checkpoint move the weights,
+        # and under MEM-OPT rank 0's checkpoint lacks rank 1's second-order state.
+        start = torch.cat([t.reshape(-1) for t in checkpoint["model"].values()])
+        assert (results[0][f]["weights"] - start).abs().max() > 1e3 * TOLERANCE, f
+        layers = checkpoint["preconditioner"]["layers"].values()
+        assert any("second_order" not in entry for entry in layers) == (f == 0.5), f
+
+
+def test_a_one_process_checkpoint_resumes_on_four_ranks() -> None:
+    fractions = [0.25, 0.5, 1.0]
+    uninterrupted = {f: _segment(0, 1, f, range(STEPS), save_at=RESUME_AT) for f in fractions}
+    checkpoints = {f: uninterrupted[f]["checkpoint"] for f in fractions}
+    results = run_distributed(_resume_on_four_ranks, 4, checkpoints, timeout=120)
+    for f in fractions:
+        assert results[0][f]["plan"].grad_workers == max(1, round(f * 4))
+        for rank in range(4):
+            assert torch.equal(results[rank][f]["weights"], results[0][f]["weights"]), (f, rank)
+        torch.testing.assert_close(
+            results[0][f]["weights"], uninterrupted[f]["weights"], rtol=0, atol=TOLERANCE
+        )
