@@ -31,6 +31,7 @@ from kaisa.curvature.block import (
 from kaisa.curvature.budget import BudgetChoice, LayerWork, choose_curvature
 from kaisa.curvature.costs import Capture, SideSpec
 from kaisa.curvature.linalg import compute_dtype, kl_clip_scale
+from kaisa.distributed.agreement import agreement_digest, check_agreement
 from kaisa.distributed.comm import Communicator, Payload, PayloadKey, default_world, plan_layout
 from kaisa.distributed.plan import LayerShape, WorkPlan, make_plan
 from kaisa.layers import LayerHandler, find_layers
@@ -333,6 +334,18 @@ class KFACPreconditioner:
         )
         self.inv_dtype = self.options.inv_dtype or self.factor_dtype
         self.product_dtype = self.options.factor_product_dtype or self.factor_dtype
+        # Before the communicator makes its process groups: ranks set up
+        # differently would hang or abort there (spec §10).
+        check_agreement(
+            agreement_digest(
+                self.options,
+                self.plan,
+                [(name, h.a_size, h.g_size) for name, h in found],
+                factor_dtype=self.factor_dtype,
+                inv_dtype=self.inv_dtype,
+                product_dtype=self.product_dtype,
+            )
+        )
         self.telemetry = Telemetry()
         self.comm = Communicator(
             self.plan,

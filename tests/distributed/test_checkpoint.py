@@ -66,11 +66,14 @@ def _train(rank: int, world_size: int, fraction: float, mode: str) -> dict[str, 
     local = GLOBAL_BATCH // world_size
     columns = world_size // max(1, round(fraction * world_size))
     inv_update_steps = INV_UPDATE_STEPS
-    if mode == "expected_rank0" and rank % columns != 0:
-        # Outside rank 0's column: an extra inverse update at RESUME_AT.
-        inv_update_steps = RESUME_AT
+    # Outside rank 0's column a rank0 resume recomputes its layers' second-order
+    # state at RESUME_AT: the expected run forces that one extra inverse update
+    # (every rank must be built with the same options).
+    extra_update = mode == "expected_rank0" and rank % columns != 0
     model, preconditioner, optimizer = _build(fraction, inv_update_steps)
     for step in range(STEPS):
+        if extra_update and step == RESUME_AT:
+            preconditioner._force_inverse_update = True
         if step == RESUME_AT and mode in ("own", "rank0"):
             state = [preconditioner.state_dict(), model.state_dict()]
             if mode == "rank0":

@@ -1,0 +1,264 @@
+"""Fail fast when the ranks of a process group are not set up alike (spec §10).
+
+Every rank must register the same layers and use the same options that shape
+the collectives or the maths; otherwise the collectives of the
+:class:`~kaisa.distributed.Communicator` mismatch, which hangs or aborts the
+process (gloo), or silently averages unrelated tensors. At construction,
+:func:`check_agreement` has the ranks compare a digest of all of this
+(:func:`agreement_digest`) and, on a difference, raises
+:class:`RankDisagreementError` on **every** rank, naming each differing item
+and every rank's value::
+
+    kaisa: ranks disagree on damping: rank 0 has 0.03, rank 1 has 0.01
+
+The exchange is one all-gather of a fixed-length ``int64`` tensor (a format
+number, the digest's length and a 63-bit hash of it), whatever the digests
+hold; only when the hashes differ (which every rank sees alike) do the ranks
+gather the digests themselves (``all_gather_object``) to name the differences.
+It uses the default process group; with NCCL the tensor lives on the current
+CUDA device (``torch.cuda.set_device`` must have been called, as for any NCCL
+``all_gather_object``).
+
+A rank that never reaches the check cannot be told from a slow one without a
+timeout. With gloo the check therefore starts with
+``torch.distributed.monitored_barrier``: a peer that does not arrive within
+``KAISA_AGREEMENT_TIMEOUT_S`` seconds (environment variable, default 300)
+makes the check raise :class:`RankDisagreementError` naming the missing
+rank(s), rather than leaving the others waiting for the process group's own
+timeout (30 minutes by default). After that error gloo has closed the
+connections to the late rank(s), so the process group is unusable: the job
+should end. Other backends have no monitored barrier and
+rely on the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kaisa.distributed.plan import WorkPlan
+
+#: The environment variable holding the timeout of the arrival check, in seconds.
+TIMEOUT_ENV = "KAISA_AGREEMENT_TIMEOUT_S"
+#: The arrival timeout when :data:`TIMEOUT_ENV` is not set, in seconds.
+DEFAULT_TIMEOUT_S = 300.0
+#: At most this many differences are listed in the error.
+MAX_LISTED = 10
+#: The format of the exchanged header (bumped if the digest changes meaning).
+_FORMAT = 1
+#: The options whose values are constants or schedules (see :func:`_hyper`).
+_HYPER = ("factor_update_steps", "inv_update_steps", "damping", "factor_decay", "kl_clip", "lr")
+#: Options compared as given (after validation).
+_PLAIN = (
+    "accumulation_steps",
+    "compute_method",
+    "compute_eigenvalue_outer_product",
+    "symmetry_aware",
+    "assignment_strategy",
+    "colocate_factors",
+    "allreduce_bucket_cap_mb",
+    "damping_mode",
+    "factor_init",
+    "time_budget",
+    "update_factors_in_hook",
+    "conv_factor_estimator",
+)
+
+
+class RankDisagreementError(RuntimeError):
+    """The ranks differ in what must agree, or a rank did not arrive in time.
+
+    A ``RuntimeError`` (as torch.distributed's own failures are): the
+    arguments of each rank may be valid by themselves; what is wrong is the
+    set-up of the job.
+    """
+
+
+def _hyper(options: Any, name: str) -> object:
+    """A constant as a float, ``'schedule'`` for a callable, ``'auto'`` if left to kaisa."""
+    if name in options.auto:
+        return "auto"
+    hyper = options.hyper.get(name)
+    if hyper is None:  # kl_clip=None: no clipping
+        return None
+    if hyper.is_schedule:
+        return "schedule"
+    return float(hyper.constant)
+
+
+def _dtype(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def agreement_digest(
+    options: Any,
+    plan: WorkPlan,
+    layers: Sequence[tuple[str, int, int]],
+    *,
+    factor_dtype: torch.dtype | None = None,
+    inv_dtype: torch.dtype | None = None,
+    product_dtype: torch.dtype | None = None,
+) -> dict[str, object]:
+    """What every rank must have alike, as a flat JSON-able dict.
+
+    Args:
+        options: the :class:`~kaisa.options.KFACOptions`.
+        plan: the work plan (gives the world size and the gradient workers per
+            layer, ``m``, resolved from ``grad_worker_fraction``).
+        layers: the registered layers as ``(name, a_size, g_size)``, in order.
+        factor_dtype, inv_dtype, product_dtype: the resolved dtypes (``None``:
+            the option as given).
+
+    Hyperparameters record their constant, ``'schedule'`` for a callable (two
+    schedules are not compared) or ``'auto'`` when left to the automatic
+    choice. Keys name what a reader of the error needs: ``damping``,
+    ``layers[1].g_size``.
+    """
+    digest: dict[str, object] = {
+        "world_size": int(plan.world_size),
+        "grad_workers": int(plan.grad_workers),
+    }
+    for name in _HYPER:
+        digest[name] = _hyper(options, name)
+    for name in _PLAIN:
+        value = getattr(options, name)
+        digest[name] = float(value) if name in ("allreduce_bucket_cap_mb", "time_budget") else value
+    digest["curvature"] = [[pattern, [a, g]] for pattern, (a, g) in options.curvature_rules]
+    digest["factor_dtype"] = _dtype(factor_dtype or options.factor_dtype)
+    digest["inv_dtype"] = _dtype(inv_dtype or options.inv_dtype)
+    digest["factor_product_dtype"] = _dtype(product_dtype or options.factor_product_dtype)
+    digest["layers"] = len(layers)
+    for i, (name, a_size, g_size) in enumerate(layers):
+        digest[f"layers[{i}].name"] = name
+        digest[f"layers[{i}].a_size"] = int(a_size)
+        digest[f"layers[{i}].g_size"] = int(g_size)
+    return digest
+
+
+def encode(digest: dict[str, object]) -> bytes:
+    """The digest's canonical bytes (sorted keys, compact JSON)."""
+    return json.dumps(digest, sort_keys=True, separators=(",", ":")).encode()
+
+
+def header(digest: dict[str, object]) -> torch.Tensor:
+    """The fixed-length ``int64`` tensor the ranks exchange: format, length, 63-bit hash."""
+    data = encode(digest)
+    hashed = int.from_bytes(hashlib.sha256(data).digest()[:8], "big") >> 1
+    return torch.tensor([_FORMAT, len(data), hashed], dtype=torch.int64)
+
+
+_ABSENT = "<absent>"
+
+
+def differences(digests: Sequence[dict[str, object]]) -> list[tuple[str, list[object]]]:
+    """Each key on which the ranks' digests differ, with every rank's value, in key order.
+
+    A key some rank lacks (e.g. a layer index past its last layer) has
+    ``'<absent>'`` there.
+    """
+    keys: list[str] = []
+    for digest in digests:
+        keys.extend(k for k in digest if k not in keys)
+    out = []
+    for key in keys:
+        values = [d.get(key, _ABSENT) for d in digests]
+        if any(v != values[0] for v in values[1:]):
+            out.append((key, values))
+    return out
+
+
+def _label(key: str, digests: Sequence[dict[str, object]]) -> str:
+    """``key``, plus the layer's name(s) for a per-layer size, or the option behind it."""
+    if key == "grad_workers":
+        return "grad_workers per layer (from grad_worker_fraction)"
+    if key.startswith("layers[") and not key.endswith(".name"):
+        names = {str(d.get(key.rsplit(".", 1)[0] + ".name", _ABSENT)) for d in digests}
+        names.discard(_ABSENT)
+        if names:
+            return f"{key} (layer {' / '.join(map(repr, sorted(names)))})"
+    return key
+
+
+def describe(digests: Sequence[dict[str, object]]) -> str | None:
+    """The error message for the ranks' digests, or ``None`` if they agree."""
+    found = differences(digests)
+    if not found:
+        return None
+    parts = []
+    for key, values in found[:MAX_LISTED]:
+        ranks = ", ".join(f"rank {r} has {_show(v)}" for r, v in enumerate(values))
+        parts.append(f"{_label(key, digests)}: {ranks}")
+    more = len(found) - MAX_LISTED
+    tail = f"; and {more} more difference{'s' if more > 1 else ''}" if more > 0 else ""
+    return (
+        "kaisa: ranks disagree on "
+        + "; ".join(parts)
+        + tail
+        + " (every rank must register the same layers and pass the same options)"
+    )
+
+
+def _show(value: object) -> str:
+    if isinstance(value, str):
+        return value if value in (_ABSENT, "auto", "schedule") else repr(value)
+    if isinstance(value, float):
+        return f"{value:g}" if float(f"{value:g}") == value else repr(value)
+    return json.dumps(value) if isinstance(value, list) else repr(value)
+
+
+def agreement_timeout() -> float:
+    """The arrival timeout from :data:`TIMEOUT_ENV`, in seconds (default 300)."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0; got {text!r}")
+    return value
+
+
+def check_agreement(digest: dict[str, object]) -> None:
+    """Raise :class:`RankDisagreementError` on every rank unless all ranks' digests match.
+
+    A no-op without an initialised default process group of more than one
+    rank. Every rank must call it (it is collective).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return
+    world = dist.get_world_size()
+    backend = str(dist.get_backend())
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if backend == "nccl"
+        else torch.device("cpu")
+    )
+    if backend == "gloo":
+        timeout = agreement_timeout()
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)
+        except RuntimeError as error:
+            raise RankDisagreementError(
+                f"kaisa: not every rank reached the agreement check within {timeout:g} s "
+                f"(set {TIMEOUT_ENV} to wait longer); torch.distributed reported: {error}"
+            ) from error
+    mine = header(digest).to(device)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    if all(torch.equal(h, gathered[0]) for h in gathered[1:]):
+        return
+    digests: list[Any] = [None] * world
+    dist.all_gather_object(digests, digest)
+    message = describe(digests)
+    if message is None:  # equal digests, different encodings: cannot happen
+        message = "kaisa: ranks disagree on the agreement digest's encoding (mixed versions?)"
+    raise RankDisagreementError(message)
