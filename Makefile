@@ -38,23 +38,23 @@ clean:
 	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache
 
 # The README's main job (issue 5): `make demo` and `make demo-quick`, the
-# benchmark suite of `kaisa demo`: workloads gap_cnn, small_cnn, resnet20 x
+# benchmark suite of `kaisa demo`: workloads gap_cnn, small_cnn (resnet20 on request) x
 # arms sgd, adamw, muon, soap (heavyball, from the 'bench' extra), kaisa-sgd,
 # kaisa-adamw (K-FAC with the library's defaults), 3 seeds, each run stopped
 # at its workload's target. Per workload OUT/<workload>/{results.json,
 # evaluations.csv,accuracy.png}; over workloads OUT/summary.{json,md}.
 #
-#   make demo                        # the suite; meant to take about 30 minutes on 2 cores
-#                                    # (not calibrated yet: the knobs are the epoch budgets
-#                                    # in kaisa/demo/config.py WORKLOADS, --seeds, --arms)
+#   make demo                        # the suite: about 30 minutes on 2 cores (the knobs: the
+#                                    # epoch budgets in kaisa/demo/config.py WORKLOADS, --seeds,
+#                                    # --arms)
 #   make demo-quick                  # gap_cnn, 1 epoch, sgd/adamw/muon/kaisa-sgd, one seed,
 #                                    # target 85%: about two minutes
 #   make demo OUT=runs/mine NPROC=2  # output directory; 2 processes (torchrun + gloo, DDP)
 #   make demo DEMO_ARGS='--workload gap_cnn --arms sgd,kaisa-sgd'  # any `kaisa demo` option
 #
 # Peak learning rates come from benchmarks/results/suite_lrs.json, written by
-# `python benchmarks/lr_sweep.py --suite` (hours; see that script), else from
-# the fallback table in kaisa/demo/config.py.
+# `python benchmarks/lr_sweep.py --suite` (about an hour per workload; see that
+# script), else from the fallback table in kaisa/demo/config.py.
 
 DEMO_ARGS ?=
 FASHION_MNIST_PKG := dataset-fashion-mnist
