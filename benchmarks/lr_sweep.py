@@ -17,7 +17,12 @@ the target (steps carry no load noise, and within one arm every LR costs the
 same per step), then the higher accuracy at the stop, then the shorter time;
 an LR that never reached the target ranks after all that did, by its best
 accuracy. An entry whose best LR is at the end of the grid says so
-(``at_grid_edge``): widen the grid there. ::
+(``at_grid_edge``): the procedure then widens the grid there by a factor of 2
+(``--arms ARM --lrs LR``) until the best lies inside. The committed
+``suite_lrs.json`` (2026-11-24) came from three points per family around
+the fallback table (SGD and kaisa-sgd 0.025-0.1 or 0.05-0.2, AdamW, SOAP and
+kaisa-adamw 1e-3-4e-3, Muon 0.01-0.04), widened that way; none is at an
+edge. ::
 
     python benchmarks/lr_sweep.py --suite                          # everything (hours)
     python benchmarks/lr_sweep.py --suite --workloads gap_cnn --arms sgd,kaisa-sgd
@@ -298,7 +303,9 @@ def _resolved_kfac(config: DemoConfig, data: FashionMNIST) -> dict[str, Any]:
     model = build_demo_model(config.model, data.image_shape)
     pre = KFACPreconditioner(model, lr=arm.lr, **arm.kfac.overrides())
     pre.remove_hooks()
-    return kfac_options(pre)
+    # The arm's learning rate is in its hyperparameters; here it would tie every
+    # run's record to the first learning rate of the grid it was swept with.
+    return {k: v for k, v in kfac_options(pre).items() if k != "lr"}
 
 
 def _suite_settings(config: DemoConfig) -> dict[str, Any]:
@@ -419,9 +426,11 @@ def _write_lrs(path: Path, entries: dict[tuple[str, str], dict[str, Any]]) -> No
         "benchmarks/lr_sweep.py --suite; kaisa demo reads 'lrs.<workload>.<arm>.lr'"
     )
     doc["procedure"] = (
-        "per arm, the family grid (SUITE_GRIDS in benchmarks/lr_sweep.py) on seed 0, each run "
-        "stopped at the workload's target with the demo's settings; best = fewest steps to the "
-        "target, then accuracy at the stop, then time; never reached ranks last, by best accuracy"
+        "per arm, a grid of the arm's family (SUITE_GRIDS in benchmarks/lr_sweep.py, or three "
+        "points of it) on seed 0, widened by a factor of 2 at an edge until the best is inside; "
+        "each run stopped at the workload's target with the demo's settings; best = fewest "
+        "steps to the target, then accuracy at the stop, then time; never reached ranks last, "
+        "by best accuracy"
     )
     lrs = doc.setdefault("lrs", {})
     for (workload, arm), entry in entries.items():
