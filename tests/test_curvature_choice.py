@@ -29,7 +29,7 @@ from kaisa.curvature.budget import (
     LayerWork,
     choose_curvature,
 )
-from kaisa.curvature.costs import EIGH_COST
+from kaisa.curvature.costs import APPLY_WEIGHT, CAPTURE_WEIGHT, EIGH_COST
 from kaisa.options import REFERENCE_DEFAULTS
 
 UNMEETABLE = "kaisa: time_budget=.* cannot be met"
@@ -68,9 +68,12 @@ def test_a_tiny_budget_degrades_to_the_cheapest(method: str, sizes: list[tuple[i
     )
     assert choice.within_budget is False
     # Diagonal sides: row moments 2·rows·n per factor update, a refresh of n,
-    # and n per column to apply (each side to the other side's columns).
+    # and n per column to apply (each side to the other side's columns);
+    # captures and applies weighted as the cost model weighs them.
     by_hand = sum(
-        2 * rows * (a + g) / MAX_FACTOR_STEPS + (a + g) / MAX_INV_STEPS + 2 * a * g
+        CAPTURE_WEIGHT * 2 * rows * (a + g) / MAX_FACTOR_STEPS
+        + (a + g) / MAX_INV_STEPS
+        + APPLY_WEIGHT * 2 * a * g
         for a, g in sizes
     )
     assert choice.kfac_work == pytest.approx(by_hand, rel=1e-12)
@@ -102,10 +105,9 @@ def test_a_huge_budget_keeps_everything_exact_at_the_shortest_intervals() -> Non
     # Exact eigen: grams rows·n², one eigendecomposition EIGH_COST·n³ per side,
     # and Q_Gᵀ ∇ Q_A and back (2n² per column on each side).
     by_hand = sum(
-        rows * (a * a + g * g) / 10
+        CAPTURE_WEIGHT * rows * (a * a + g * g) / 10
         + EIGH_COST * (a**3 + g**3) / 100
-        + 2 * a * a * g
-        + 2 * g * g * a
+        + APPLY_WEIGHT * (2 * a * a * g + 2 * g * g * a)
         for a, g in SIZES
     )
     assert choice.kfac_work == pytest.approx(by_hand, rel=1e-12)

@@ -4,9 +4,11 @@ Given each layer's factor sides and the rows it sees per step, choose, for
 every side, a representation and, for the run, the factor and inverse
 intervals, so that K-FAC's work per step is at most ``time_budget`` times the
 work of the registered layers' own forward and backward passes. Everything is
-counted in multiply-adds (:func:`kaisa.curvature.costs.side_cost`, with an
-eigendecomposition weighted by what it costs here relative to a matrix
-product), so the choice is a pure function of shapes, rows and options: every
+counted in multiply-adds (:func:`kaisa.curvature.costs.side_cost`), weighted
+by how fast each kind ran against a training pass's on the CPUs of this
+project (captures and preconditioning ×2, an eigendecomposition 8 ``n³``:
+:data:`~kaisa.curvature.costs.CAPTURE_WEIGHT` and its neighbours), so the
+choice is a pure function of shapes, rows and options: every
 rank that sees the same rows reaches the same choice, and a test can check it
 without a clock.
 
@@ -34,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kaisa.curvature.costs import SideSpec, side_cost
+from kaisa.curvature.costs import APPLY_WEIGHT, CAPTURE_WEIGHT, SideSpec, side_cost
 
 __all__ = [
     "LOW_RANKS",
@@ -173,7 +175,7 @@ def kfac_work(
     capture = (layer.capture("a", a_spec) + layer.capture("g", g_spec)) / factor_update_steps
     refresh = (ca.refresh + cg.refresh) / inv_update_steps
     apply = ca.apply_per_column * g + cg.apply_per_column * a
-    return capture + refresh + apply
+    return CAPTURE_WEIGHT * capture + refresh + APPLY_WEIGHT * apply
 
 
 def choose_curvature(

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
+    "APPLY_WEIGHT",
+    "CAPTURE_WEIGHT",
     "CHOLESKY_INVERSE_COST",
     "EIGH_COST",
     "OVERSAMPLING",
@@ -31,10 +33,18 @@ SideKind = Literal["exact", "lowrank", "kvec", "diagonal"]
 SIDE_KINDS: tuple[SideKind, ...] = ("exact", "lowrank", "kvec", "diagonal")
 
 #: Cost of one symmetric eigendecomposition of side ``n`` in multiply-adds of
-#: ``n³`` (measured on the CPUs of this project with ``torch.linalg.eigh``:
-#: 9–23× the time of an ``n × n`` matrix product, which is ``n³``
-#: multiply-adds).
-EIGH_COST = 20.0
+#: ``n³``, as a training pass's multiply-adds run. ``torch.linalg.eigh`` takes
+#: 9–23× the time of an ``n × n`` matrix product here, but large products run
+#: 2–3× faster per multiply-add than a small CNN's forward and backward passes:
+#: on GapCNN (2 threads) the refreshes of every layer took 30–37 ms against
+#: 4.9 G multiply-adds modelled at 20, training 57 M multiply-adds per ms.
+EIGH_COST = 8.0
+#: Weight of a capture's multiply-adds (factor products) against a training
+#: pass's: GapCNN's factor products ran at 26 M per ms, its training at 57.
+CAPTURE_WEIGHT = 2.0
+#: Weight of a preconditioning multiply-add (small products, gradient copies):
+#: GapCNN's exact solves ran at about 30 M per ms.
+APPLY_WEIGHT = 2.0
 #: Cost of a Cholesky inverse of side ``n`` in multiply-adds of ``n³``.
 CHOLESKY_INVERSE_COST = 4.0
 #: Subspace iterations per low-rank refresh (each one ``F @ Q`` and a QR).
