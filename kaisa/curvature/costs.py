@@ -117,9 +117,9 @@ class SideSpec:
 class SideCost:
     """What one side costs, in multiply-adds and numbers (elements).
 
-    ``capture_per_row``: work per captured row on a factor-update step, for
-    plain row products (a layer handler may do better, as the shifted conv
-    products do; the budget asks the handler);
+    What a capture costs depends on the layer, not the representation's
+    maths (a gram or moments of its rows; the shifted conv products are
+    cheaper than plain ones): the layer handler says (``capture_work``).
     ``refresh``: work of one refresh (decomposition) on its assigned rank;
     ``apply_per_column``: work to precondition, per column of the other side
     (a ``(g, a)`` gradient has ``g`` columns for the ``A`` side and ``a`` for
@@ -129,7 +129,6 @@ class SideCost:
     refresh).
     """
 
-    capture_per_row: float
     refresh: float
     apply_per_column: float
     factor: int
@@ -140,15 +139,15 @@ def side_cost(spec: SideSpec, n: int, method: str = "eigen") -> SideCost:
     """:class:`SideCost` of a side of ``n`` held as ``spec`` (pure arithmetic)."""
     if spec.kind == "exact":
         if method == "inverse":
-            return SideCost(n * n, CHOLESKY_INVERSE_COST * n**3, 2.0 * n * n, n * n, n * n)
+            return SideCost(CHOLESKY_INVERSE_COST * n**3, 2.0 * n * n, n * n, n * n)
         # Q_Gᵀ ∇ Q_A and back: two products of n² per column on each side.
-        return SideCost(n * n, EIGH_COST * n**3, 2.0 * n * n, n * n, n * n + n)
+        return SideCost(EIGH_COST * n**3, 2.0 * n * n, n * n, n * n + n)
     if spec.kind == "lowrank":
         k = min(int(spec.rank or n), n)
         width = min(n, k + OVERSAMPLING)
         refresh = (SUBSPACE_ITERATIONS + 1) * (n * n * width + 2.0 * n * width * width)
         refresh += EIGH_COST * width**3
-        return SideCost(n * n, refresh, 4.0 * n * k + n, n * n, n * k + k + 1)
+        return SideCost(refresh, 4.0 * n * k + n, n * n, n * k + k + 1)
     if spec.kind == "kvec":
-        return SideCost(2.0 * n, n, 4.0 * n, 2 * n, n)
-    return SideCost(2.0 * n, n, 1.0 * n, 2 * n, n)
+        return SideCost(n, 4.0 * n, 2 * n, n)
+    return SideCost(n, 1.0 * n, 2 * n, n)

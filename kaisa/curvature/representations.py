@@ -14,7 +14,7 @@ representation:
 * how to apply its damped inverse ``(F / s + γI)⁻¹`` to a gradient along one
   dimension (:meth:`Side.solve`), ``s`` the mean eigenvalue under relative
   damping and 1 otherwise;
-* what it costs (:class:`SideCost`): work per capture row, per refresh and per
+* what it costs (:class:`SideCost`): work per refresh and per
   preconditioning, and the numbers it holds and sends;
 * :meth:`Side.dense`: the ``n × n`` matrix it stands for, which the tests invert
   densely in float64 to check :meth:`Side.solve`.
@@ -191,12 +191,6 @@ class Side(ABC):
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state)
-
-    def state_dict(self) -> dict[str, object]:
-        out: dict[str, object] = {"spec": str(self.spec), "factor": self.factor.clone()}
-        if self.state:
-            out["state"] = [t.clone() for t in self.state]
-        return out
 
 
 def _along(matrix: torch.Tensor, dim: int) -> torch.Tensor:

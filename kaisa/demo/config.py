@@ -109,10 +109,11 @@ WORKLOADS: dict[str, Workload] = {
 DEFAULT_WORKLOADS: tuple[str, ...] = ("gap_cnn", "small_cnn")
 """The workloads ``kaisa demo`` runs without ``--workload``.
 
-ResNet-20 is not among them yet: on the 2-core machines of this project one
-of its steps takes 150–300 ms (GapCNN's 50), so its six arms over three seeds
-alone would take over an hour, beyond ``make demo``'s half hour. Run it with
-``--workload resnet20``; its target, epochs and learning rates are not
+ResNet-20 is not among them yet: an SGD step of it took 198–346 ms in
+``benchmarks/step_overhead.py`` (3×32×32 images, batch 128, 2 threads), 5–9×
+GapCNN's 40 ms in the suite, so its 18 runs (six arms, three seeds) would
+take an estimated one to two hours, beyond ``make demo``'s half hour. Run it
+with ``--workload resnet20``; its target, epochs and learning rates are not
 calibrated yet."""
 
 
