@@ -3,6 +3,9 @@
 With ``P`` the ``(N·T, C_in·kh·kw)`` patch matrix (``T = H_out·W_out``),
 ``ā = [P | 1] / T`` and ``A_batch = āᵀā / (N·T)``; ``δ`` is reshaped to
 ``(N·T, C_out)`` and divided by ``T``, ``G_batch = δᵀδ / (N·T)``.
+``nn.Conv1d`` (groups = 1, :class:`Conv1dHandler`) is the same computation on
+its input viewed as one row of pixels, ``(N, C_in, 1, L)``, with a ``(1, k)``
+kernel, so everything below holds for it with ``kh = 1``.
 
 For unit stride and zero padding (the common case), ``PᵀP`` is assembled
 from shifted products of the input itself and the patch matrix is never
@@ -42,7 +45,9 @@ of the patches are two small products with 0/1 selection matrices).
 
 from __future__ import annotations
 
-from typing import Literal
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -83,18 +88,92 @@ def _pair(value: int | tuple[int, ...]) -> tuple[int, int]:
     return (int(value[0]), int(value[1]))
 
 
-def explicit_padding(conv: nn.Conv2d) -> tuple[int, int, int, int]:
-    """Padding of ``conv`` as ``(left, right, top, bottom)``, resolving 'same' and 'valid'."""
-    kh, kw = _pair(conv.kernel_size)
-    dh, dw = _pair(conv.dilation)
-    if conv.padding == "valid":
-        return (0, 0, 0, 0)
-    if conv.padding == "same":
-        total_h, total_w = dh * (kh - 1), dw * (kw - 1)
-        return (total_w // 2, total_w - total_w // 2, total_h // 2, total_h - total_h // 2)
-    assert not isinstance(conv.padding, str)
-    ph, pw = _pair(conv.padding)
-    return (pw, pw, ph, ph)
+def _one_row(value: int | tuple[int, ...], row: int) -> tuple[int, int]:
+    """A 1-D convolution's ``value`` as the 2-D pair ``(row, value)``."""
+    return (row, value if isinstance(value, int) else int(value[0]))
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """A ``groups == 1`` convolution as the 2-D convolution the handlers compute.
+
+    ``nn.Conv2d`` as it is; ``nn.Conv1d`` as the 2-D convolution of its input
+    viewed as one row, ``(N, C_in, 1, L)``: kernel ``(1, k)``, stride
+    ``(1, s)``, dilation ``(1, d)`` and padding on the columns only.
+
+    Attributes:
+        in_channels: ``C_in``.
+        out_channels: ``C_out``.
+        kernel: ``(kh, kw)``.
+        stride: ``(sh, sw)``.
+        dilation: ``(dh, dw)``.
+        padding: ``(left, right, top, bottom)`` (``F.pad``'s order), with
+            ``'same'`` and ``'valid'`` resolved.
+        pad_mode: the ``F.pad`` mode of the padding (``'constant'`` for zeros).
+    """
+
+    in_channels: int
+    out_channels: int
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    dilation: tuple[int, int]
+    padding: tuple[int, int, int, int]
+    pad_mode: str
+
+    @classmethod
+    def of(cls, conv: nn.Conv1d | nn.Conv2d) -> ConvGeometry:
+        """The 2-D geometry of ``conv``."""
+        if isinstance(conv, nn.Conv1d):
+            kernel, stride = _one_row(conv.kernel_size, 1), _one_row(conv.stride, 1)
+            dilation = _one_row(conv.dilation, 1)
+            pads = conv.padding if isinstance(conv.padding, str) else _one_row(conv.padding, 0)
+        else:
+            kernel, stride, dilation = (
+                _pair(conv.kernel_size),
+                _pair(conv.stride),
+                _pair(conv.dilation),
+            )
+            pads = conv.padding if isinstance(conv.padding, str) else _pair(conv.padding)
+        if pads == "valid":
+            padding = (0, 0, 0, 0)
+        elif pads == "same":
+            total_h = dilation[0] * (kernel[0] - 1)
+            total_w = dilation[1] * (kernel[1] - 1)
+            padding = (total_w // 2, total_w - total_w // 2, total_h // 2, total_h - total_h // 2)
+        else:
+            assert not isinstance(pads, str)
+            ph, pw = pads
+            padding = (pw, pw, ph, ph)
+        return cls(
+            in_channels=conv.in_channels,
+            out_channels=conv.out_channels,
+            kernel=kernel,
+            stride=stride,
+            dilation=dilation,
+            padding=padding,
+            pad_mode="constant" if conv.padding_mode == "zeros" else conv.padding_mode,
+        )
+
+    @property
+    def columns(self) -> int:
+        """Columns of the patch matrix, ``C_in·kh·kw``."""
+        return self.in_channels * self.kernel[0] * self.kernel[1]
+
+    def output_size(self, h: int, w: int) -> tuple[int, int]:
+        """``(H_out, W_out)`` for an (unpadded) ``h × w`` input."""
+        left, right, top, bottom = self.padding
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.stride, self.dilation
+        h_out = (h + top + bottom - dh * (kh - 1) - 1) // sh + 1
+        w_out = (w + left + right - dw * (kw - 1) - 1) // sw + 1
+        return h_out, w_out
+
+
+def explicit_padding(conv: nn.Conv1d | nn.Conv2d) -> tuple[int, int, int, int]:
+    """Padding of ``conv`` as ``(left, right, top, bottom)``, resolving 'same' and 'valid'.
+
+    A 1-D convolution pads the columns of its one-row 2-D view only.
+    """
+    return ConvGeometry.of(conv).padding
 
 
 def _selection(
@@ -289,37 +368,55 @@ class _ShiftPlan:
         return full.permute(2, 0, 3, 1).reshape(c * k, c * k)
 
 
-class Conv2dHandler(LayerHandler):
-    """A ``groups == 1`` 2-D convolution with any stride, padding mode and dilation."""
+class _ConvHandler(LayerHandler):
+    """The 2-D algorithms of a ``groups == 1`` convolution, read off its :class:`ConvGeometry`.
 
-    module: nn.Conv2d
+    Every method takes the layer's own input and output-gradient shapes and
+    first views them as a batch of 2-D maps ``(N, C, H, W)``
+    (:meth:`_batched`); the subclasses say how.
+    """
+
+    module: nn.Conv1d | nn.Conv2d
+    _module_type: ClassVar[type[nn.Conv1d] | type[nn.Conv2d]]
 
     def __init__(
         self,
-        module: nn.Conv2d,
+        module: nn.Conv1d | nn.Conv2d,
         max_patch_bytes: int = DEFAULT_MAX_PATCH_BYTES,
         estimator: ConvEstimator = "expand",
         max_shift_bytes: int = DEFAULT_MAX_SHIFT_BYTES,
     ) -> None:
+        name = type(self).__name__
+        if not isinstance(module, self._module_type):
+            raise TypeError(f"{name} needs an nn.{self._module_type.__name__}, got {module!r}")
         if module.groups != 1:
-            raise ValueError(f"Conv2dHandler supports groups=1 only, got groups={module.groups}")
+            raise ValueError(f"{name} supports groups=1 only, got groups={module.groups}")
         if estimator not in ("expand", "reduce"):
             raise ValueError(f"estimator must be 'expand' or 'reduce'; got {estimator!r}")
         super().__init__(module)
         self.estimator = estimator
-        kh, kw = _pair(module.kernel_size)
-        self.a_size = module.in_channels * kh * kw + (1 if module.bias is not None else 0)
-        self.g_size = module.out_channels
+        self.geometry = ConvGeometry.of(module)
+        kh, kw = self.geometry.kernel
+        self.a_size = self.geometry.columns + (1 if module.bias is not None else 0)
+        self.g_size = self.geometry.out_channels
         self.max_patch_bytes = max_patch_bytes
         self.max_shift_bytes = max_shift_bytes
-        self._padding = explicit_padding(module)
-        self._pad_mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        self._padding = self.geometry.padding
+        self._pad_mode = self.geometry.pad_mode
         # 'expand' from shifted products (see _ShiftPlan) needs unit stride and
         # zero padding; a 1x1 kernel has nothing to share. Plans by input size.
         self._shifted = (
-            _pair(module.stride) == (1, 1) and self._pad_mode == "constant" and kh * kw > 1
+            self.geometry.stride == (1, 1) and self._pad_mode == "constant" and kh * kw > 1
         )
         self._plans: dict[tuple[int, int], _ShiftPlan] = {}
+
+    @abstractmethod
+    def _batched(self, t: torch.Tensor) -> torch.Tensor:
+        """An input or output gradient ``t`` as a batch of 2-D maps ``(N, C, H, W)``.
+
+        A ``(N, C, H, W)`` tensor is returned as it is, so the methods can pass
+        their converted tensors to one another.
+        """
 
     def patches(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The patch matrix ``P`` of ``x`` (``(n·T, C_in·kh·kw)``) and ``T``.
@@ -339,10 +436,10 @@ class Conv2dHandler(LayerHandler):
         followed by a transpose) gathers ``kw`` elements at a time and costs
         more on CPU.
         """
-        conv = self.module
-        kh, kw = _pair(conv.kernel_size)
-        sh, sw = _pair(conv.stride)
-        dh, dw = _pair(conv.dilation)
+        x = self._batched(x)
+        kh, kw = self.geometry.kernel
+        sh, sw = self.geometry.stride
+        dh, dw = self.geometry.dilation
         if any(self._padding):
             x = F.pad(x, self._padding, mode=self._pad_mode)
         x = x.contiguous()
@@ -370,10 +467,10 @@ class Conv2dHandler(LayerHandler):
         is summed in its own memory order (batched products per sample), so
         it is never copied into the contiguous layout.
         """
-        conv = self.module
-        kh, kw = _pair(conv.kernel_size)
-        sh, sw = _pair(conv.stride)
-        dh, dw = _pair(conv.dilation)
+        x = self._batched(x)
+        kh, kw = self.geometry.kernel
+        sh, sw = self.geometry.stride
+        dh, dw = self.geometry.dilation
         left, right, top, bottom = self._padding
         if self._pad_mode != "constant" and any(self._padding):
             x = F.pad(x, self._padding, mode=self._pad_mode)
@@ -401,15 +498,14 @@ class Conv2dHandler(LayerHandler):
         return means.div_(positions), positions
 
     def a_sum(self, x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-        if x.dim() == 3:
-            x = x.unsqueeze(0)
+        x = self._batched(x)
         n = x.shape[0]
         if self.estimator == "reduce":
             means, positions = self.patch_means(x)
             scale = 1.0 / positions**2
             out = gram_with_ones(means, out, scale) if self.has_bias else gram(means, out, scale)
             return out, n
-        if self._shifted and self.module.in_channels >= SHIFTED_MIN_CHANNELS:
+        if self._shifted and self.geometry.in_channels >= SHIFTED_MIN_CHANNELS:
             return self.shifted_sum(x, out)
         return self.patch_sum(x, out)
 
@@ -422,8 +518,7 @@ class Conv2dHandler(LayerHandler):
         time (``max_patch_bytes``). :meth:`a_sum` uses it where
         :meth:`shifted_sum` does not apply.
         """
-        if x.dim() == 3:
-            x = x.unsqueeze(0)
+        x = self._batched(x)
         chunk = self._samples_per_slice(x)
         rows = 0
         for start in range(0, x.shape[0], chunk):
@@ -438,8 +533,8 @@ class Conv2dHandler(LayerHandler):
         size = (x.shape[-2], x.shape[-1])
         plan = self._plans.get(size)
         if plan is None:
-            conv = self.module
-            plan = _ShiftPlan(*size, _pair(conv.kernel_size), _pair(conv.dilation), self._padding)
+            geometry = self.geometry
+            plan = _ShiftPlan(*size, geometry.kernel, geometry.dilation, self._padding)
             self._plans[size] = plan
         return plan
 
@@ -460,8 +555,7 @@ class Conv2dHandler(LayerHandler):
                 "shifted_sum needs stride 1, padding_mode='zeros' and a kernel larger than "
                 f"1x1; got {self.module!r} (use patch_sum)"
             )
-        if x.dim() == 3:
-            x = x.unsqueeze(0)
+        x = self._batched(x)
         plan = self._plan(x)
         dtype = accumulator_dtype(x)
         scale = 1.0 / plan.positions**2
@@ -479,8 +573,7 @@ class Conv2dHandler(LayerHandler):
     def g_sum(
         self, grad_output: torch.Tensor, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, int]:
-        if grad_output.dim() == 3:
-            grad_output = grad_output.unsqueeze(0)
+        grad_output = self._batched(grad_output)
         n, c, h, w = grad_output.shape
         positions = h * w
         scale = 1.0 / positions**2
@@ -499,15 +592,16 @@ class Conv2dHandler(LayerHandler):
         'expand' with shifted products (unit stride, zero padding, at least
         ``SHIFTED_MIN_CHANNELS`` input channels) needs about
         ``((2kh − 1)(2kw − 1) + 1) / 2`` products of ``C_in`` columns per row
-        (13 for 3×3) instead of one of ``kh·kw·C_in``; 'reduce' has one gram
-        row per sample (its ``rows`` are already per sample).
+        (13 for 3×3, ``k`` for a 1-D kernel of ``k``) instead of one of
+        ``kh·kw·C_in``; 'reduce' has one gram row per sample (its ``rows`` are
+        already per sample).
         """
         if which == "a" and capture == "gram" and self.estimator == "expand":
-            conv = self.module
-            if self._shifted and conv.in_channels >= SHIFTED_MIN_CHANNELS:
-                kh, kw = _pair(conv.kernel_size)
+            c_in = self.geometry.in_channels
+            if self._shifted and c_in >= SHIFTED_MIN_CHANNELS:
+                kh, kw = self.geometry.kernel
                 products = ((2 * kh - 1) * (2 * kw - 1) + 1) / 2
-                return rows * (products * conv.in_channels**2 + 2.0 * self.a_size)
+                return rows * (products * c_in**2 + 2.0 * self.a_size)
         return super().capture_work(which, capture, rows)
 
     def a_moments(
@@ -519,8 +613,7 @@ class Conv2dHandler(LayerHandler):
         or adds zeros, so the patches of ``x²`` are the squared patches of
         ``x``); the patch matrix is never built.
         """
-        if x.dim() == 3:
-            x = x.unsqueeze(0)
+        x = self._batched(x)
         x = x.to(accumulator_dtype(x))
         n = x.shape[0]
         means, positions = self.patch_means(x)  # Σ_T p / T per sample
@@ -539,8 +632,7 @@ class Conv2dHandler(LayerHandler):
         self, grad_output: torch.Tensor, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, int]:
         """``[Σ δ; Σ δ²]`` over the ``n·T`` rows ``δ / T`` (spec §3), for any estimator."""
-        if grad_output.dim() == 3:
-            grad_output = grad_output.unsqueeze(0)
+        grad_output = self._batched(grad_output)
         n, c, h, w = grad_output.shape
         positions = h * w
         rows = grad_output.to(accumulator_dtype(grad_output))
@@ -572,21 +664,91 @@ class Conv2dHandler(LayerHandler):
         return out
 
     def _samples_per_slice(self, x: torch.Tensor) -> int:
-        """Samples per slice of the patch matrix.
+        """Samples per slice of the patch matrix of a ``(N, C, H, W)`` input.
 
         At most ``max_patch_bytes`` of patches, but at least one sample and at
         least ``C_in·kh·kw`` rows, so that each product does more work than
         re-reading the ``(C_in·kh·kw)²`` accumulator it adds into.
         """
-        conv = self.module
-        kh, kw = _pair(conv.kernel_size)
-        sh, sw = _pair(conv.stride)
-        dh, dw = _pair(conv.dilation)
-        left, right, top, bottom = self._padding
-        h_out = (x.shape[-2] + top + bottom - dh * (kh - 1) - 1) // sh + 1
-        w_out = (x.shape[-1] + left + right - dw * (kw - 1) - 1) // sw + 1
+        h_out, w_out = self.geometry.output_size(x.shape[-2], x.shape[-1])
         positions = max(1, h_out * w_out)
-        columns = conv.in_channels * kh * kw
+        columns = self.geometry.columns
         by_bytes = self.max_patch_bytes // (positions * columns * x.element_size())
         by_rows = -(-columns // positions)
         return max(1, min(x.shape[0], max(by_bytes, by_rows)))
+
+
+class Conv2dHandler(_ConvHandler):
+    """A ``groups == 1`` 2-D convolution with any stride, padding mode and dilation.
+
+    Inputs ``(N, C_in, H, W)`` or ``(C_in, H, W)``, output gradients likewise.
+    """
+
+    module: nn.Conv2d
+    _module_type = nn.Conv2d
+
+    def __init__(
+        self,
+        module: nn.Conv2d,
+        max_patch_bytes: int = DEFAULT_MAX_PATCH_BYTES,
+        estimator: ConvEstimator = "expand",
+        max_shift_bytes: int = DEFAULT_MAX_SHIFT_BYTES,
+    ) -> None:
+        super().__init__(module, max_patch_bytes, estimator, max_shift_bytes)
+
+    def _batched(self, t: torch.Tensor) -> torch.Tensor:
+        return t.unsqueeze(0) if t.dim() == 3 else t
+
+
+class Conv1dHandler(_ConvHandler):
+    """A ``groups == 1`` 1-D convolution with any stride, padding mode and dilation.
+
+    Computed as the 2-D convolution of the input viewed as one row (see
+    :class:`ConvGeometry`): inputs ``(N, C_in, L)`` or ``(C_in, L)`` become
+    ``(N, C_in, 1, L)``, output gradients ``(N, C_out, L_out)`` become
+    ``(N, C_out, 1, L_out)`` (views, not copies), and every factor equals
+    :class:`Conv2dHandler`'s on the equivalent ``nn.Conv2d``. The patch columns
+    are ordered (channel, kernel offset), as the weight ``(C_out, C_in, k)``
+    flattens in :meth:`grad_matrix`. The methods also take the one-row view
+    ``(N, C, 1, L)`` itself.
+    """
+
+    module: nn.Conv1d
+    _module_type = nn.Conv1d
+
+    def __init__(
+        self,
+        module: nn.Conv1d,
+        max_patch_bytes: int = DEFAULT_MAX_PATCH_BYTES,
+        estimator: ConvEstimator = "expand",
+        max_shift_bytes: int = DEFAULT_MAX_SHIFT_BYTES,
+    ) -> None:
+        super().__init__(module, max_patch_bytes, estimator, max_shift_bytes)
+
+    def _batched(self, t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 4:
+            if t.shape[2] != 1:
+                raise ValueError(
+                    f"Conv1dHandler takes (N, C, L), (C, L) or (N, C, 1, L); got {tuple(t.shape)}"
+                )
+            return t
+        if t.dim() == 2:
+            t = t.unsqueeze(0)
+        if t.dim() != 3:
+            raise ValueError(
+                f"Conv1dHandler takes (N, C, L), (C, L) or (N, C, 1, L); got {tuple(t.shape)}"
+            )
+        return t.unsqueeze(2)
+
+
+def conv1d_handler(
+    module: nn.Module, conv_estimator: ConvEstimator = "expand", **_: object
+) -> Conv1dHandler | None:
+    """Handler factory for ``nn.Conv1d`` (``register_handler(nn.Conv1d, conv1d_handler)``).
+
+    ``None`` (skip the module) for a grouped convolution, as for ``nn.Conv2d``.
+    """
+    assert isinstance(module, nn.Conv1d)
+    if module.groups != 1:
+        return None
+    return Conv1dHandler(module, estimator=conv_estimator)
