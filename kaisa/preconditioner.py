@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from kaisa.curvature.block import (
     BlockLayout,
@@ -34,7 +33,9 @@ from kaisa.curvature.linalg import compute_dtype, kl_clip_scale
 from kaisa.distributed.agreement import agreement_digest, check_agreement
 from kaisa.distributed.comm import Communicator, Payload, PayloadKey, default_world, plan_layout
 from kaisa.distributed.plan import LayerShape, WorkPlan, make_plan
-from kaisa.layers import LayerHandler, find_layers
+from kaisa.layers import LayerHandler
+from kaisa.layers.base import Detachable, GradSelect
+from kaisa.layers.registry import Coverage, survey
 from kaisa.options import REFERENCE_DEFAULTS, KFACOptions
 from kaisa.telemetry import Telemetry
 
@@ -111,6 +112,9 @@ class _Layer:
     inputs: list[torch.Tensor] = field(default_factory=list)
     grad_outputs: list[torch.Tensor] = field(default_factory=list)
     submitted: bool = False
+    #: Captured nothing on the last factor-update step (on any rank): no
+    #: second-order state, raw gradient, until it captures again.
+    dormant: bool = False
 
     def reset(self) -> None:
         self.called = False
@@ -301,18 +305,33 @@ class KFACPreconditioner:
             curvature=curvature,
             time_budget=time_budget,
         )
-        found = find_layers(
+        surveyed = survey(
             model, self.options.skip_layers, conv_estimator=self.options.conv_factor_estimator
         )
+        for message in surveyed.warnings:
+            warnings.warn(message, stacklevel=2)
+        found = surveyed.layers
         if not found:
             raise ValueError(
                 f"model ({type(model).__name__}) has no layer K-FAC can precondition: kaisa "
-                "handles nn.Linear and nn.Conv2d (groups=1) whose parameters require "
-                "gradients and that skip_layers does not exclude"
+                "handles nn.Linear, nn.Conv1d/nn.Conv2d (groups=1), nn.MultiheadAttention "
+                "and nn.Embedding whose parameters require gradients and that skip_layers "
+                "does not exclude"
             )
         self.model = model
+        self._treatments = surveyed.treatments
         self.rank, self.world_size = default_world()
-        self._fixed = {name: self.options.fixed_sides(name) for name, _ in found}
+        # A side the user fixes wins; else the layer kind's own (an embedding's
+        # diagonal A); else the automatic choice.
+        self._fixed = {
+            name: tuple(
+                user or kind
+                for user, kind in zip(
+                    self.options.fixed_sides(name), handler.default_sides, strict=True
+                )
+            )
+            for name, handler in found
+        }
         # Until the first factor-update step shows the rows, 'auto' sides are
         # held exact (nothing is folded before the choice replaces them).
         provisional = {name: (a or "exact", g or "exact") for name, (a, g) in self._fixed.items()}
@@ -364,11 +383,11 @@ class KFACPreconditioner:
             block = self._make_block(name, handler, provisional[name])
             if self.plan.is_grad_worker(name, self.rank):
                 block.allocate_second_order()
-            self.layers.append(_Layer(name, handler, block, self._keys(block)))
-        self._handles: list[RemovableHandle] = [
-            layer.handler.module.register_forward_hook(functools.partial(self._forward_hook, layer))
-            for layer in self.layers
+            self.layers.append(_Layer(name, handler, block, self._keys(name, block)))
+        self._handles: list[Detachable] = [
+            layer.handler.attach(functools.partial(self._capture, layer)) for layer in self.layers
         ]
+        self._reported_idle: set[str] = set()
         self._steps = 0
         self._peak_capture_bytes = 0
         self._capture_this_step = self._is_factor_step()
@@ -413,17 +432,30 @@ class KFACPreconditioner:
             g_spec=specs[1],
         )
 
-    def _keys(self, block: KroneckerBlock) -> tuple[PayloadKey, ...]:
+    def _keys(self, name: str, block: KroneckerBlock) -> tuple[PayloadKey, ...]:
         if self._choice_pending:
-            return _ALL_KEYS
+            return self._pending_keys(name)
         captures: list[Capture] = [spec.capture for spec in block.specs]
         return (("a", captures[0]), ("g", captures[1]))
+
+    def _pending_keys(self, name: str) -> tuple[PayloadKey, ...]:
+        """While the choice is pending: both captures of an automatic side, one of a fixed side."""
+        keys: list[PayloadKey] = []
+        for which, fixed in zip(("a", "g"), self._fixed[name], strict=True):
+            if fixed is None:
+                keys += [key for key in _ALL_KEYS if key[0] == which]
+            else:
+                keys.append((which, SideSpec.parse(fixed).capture))
+        return tuple(keys)
 
     def _layout(self) -> dict[str, tuple[tuple[PayloadKey, int], ...]]:
         if not self._choice_pending:
             return plan_layout(self.plan)
         return {
-            la.name: tuple((key, la.a_size if key[0] == "a" else la.g_size) for key in _ALL_KEYS)
+            la.name: tuple(
+                (key, la.a_size if key[0] == "a" else la.g_size)
+                for key in self._pending_keys(la.name)
+            )
             for la in self.plan.layers
         }
 
@@ -442,7 +474,10 @@ class KFACPreconditioner:
                     name,
                     h.a_size,
                     h.g_size,
-                    training=h.training_work(rows(name, ("a", "moments"))),
+                    # (A captured as a gram or as moments: the same rows.)
+                    training=h.training_work(
+                        max(rows(name, ("a", "moments")), rows(name, ("a", "gram")))
+                    ),
                     a_gram=h.capture_work("a", "gram", rows(name, ("a", "gram"))),
                     g_gram=h.capture_work("g", "gram", rows(name, ("g", "gram"))),
                     a_moments=h.capture_work("a", "moments", rows(name, ("a", "moments"))),
@@ -488,8 +523,8 @@ class KFACPreconditioner:
         )
         self.comm.set_layout(plan_layout(self.plan), self.plan)
         for layer in self.layers:
-            layer.keys = self._keys(layer.block)
-            if self.plan.is_grad_worker(layer.name, self.rank):
+            layer.keys = self._keys(layer.name, layer.block)
+            if self.plan.is_grad_worker(layer.name, self.rank) and not layer.dormant:
                 layer.block.allocate_second_order()
         self._capture_this_step = self._is_factor_step()
 
@@ -515,34 +550,38 @@ class KFACPreconditioner:
         return self._steps % self.options.hyper["inv_update_steps"].int_at(self._steps) == 0
 
     # -- hooks -----------------------------------------------------------------------
-    def _forward_hook(
-        self, layer: _Layer, module: nn.Module, args: tuple[Any, ...], output: Any
+    def _capture(
+        self, layer: _Layer, x: torch.Tensor, output: torch.Tensor, select: GradSelect
     ) -> None:
+        """One call of a layer: its input ``x`` and its output (whose gradient gives ``δ``)."""
         layer.called = True
         if not (
-            module.training
+            layer.handler.module.training
             and torch.is_grad_enabled()
-            and isinstance(output, torch.Tensor)
             and output.requires_grad
-            and args
-            and isinstance(args[0], torch.Tensor)
             and self._capture_this_step
         ):
             return
         with torch.autocast(self.device.type, enabled=False):
             with self.telemetry.timer("capture"):
-                x = args[0].detach().to(self.product_dtype)
+                x = x.detach()
+                if x.is_floating_point():  # (an embedding's indices stay integers)
+                    x = x.to(self.product_dtype)
                 layer.pending += 1
-                output.register_hook(functools.partial(self._grad_output_hook, layer))  # type: ignore[no-untyped-call]
+                output.register_hook(  # type: ignore[no-untyped-call]
+                    functools.partial(self._grad_output_hook, layer, select)
+                )
             if self.options.update_factors_in_hook:
                 with self.telemetry.timer("factor_products"):
                     layer.accumulate("a", x)
             else:
                 layer.inputs.append(x)
 
-    def _grad_output_hook(self, layer: _Layer, grad: torch.Tensor) -> None:
+    def _grad_output_hook(self, layer: _Layer, select: GradSelect, grad: torch.Tensor) -> None:
         with torch.autocast(self.device.type, enabled=False):
             with self.telemetry.timer("capture"):
+                if select is not None:
+                    grad = select(grad)
                 delta = grad.detach().to(self.product_dtype)
                 if self._step_scale is None and self._grad_scale is not None:
                     self._step_scale = self._grad_scale()
@@ -633,6 +672,7 @@ class KFACPreconditioner:
             if not layer.submitted:
                 self._submit(layer)
         payloads = self.comm.reduced_factors()
+        self._check_idle(payloads)
         if not payloads:
             return
         if self._choice_pending and any(
@@ -658,12 +698,9 @@ class KFACPreconditioner:
             gram = layer.block.specs[0].capture == "gram"
             traces.append(a.diagonal().sum() if gram else a[1].sum())
         names = [name for name in (layer.name for layer in self.layers) if name in reduced]
-        grads = [
-            p.grad
-            for layer in self.layers
-            for p in layer.handler.parameters()
-            if p.grad is not None
-        ]
+        # Each parameter once (attention projections share theirs).
+        params = {id(p): p for layer in self.layers for p in layer.handler.parameters()}
+        grads = [p.grad for p in params.values() if p.grad is not None]
         # One host sync for all checks: finite factors, finite gradients (an AMP
         # overflow must not reach the running averages), and captured anywhere.
         # A tensor whose sum is finite has only finite entries (NaN and ±inf
@@ -693,11 +730,44 @@ class KFACPreconditioner:
             if captured[name] and nonzero[name]:
                 by_name[name].block.fold(*reduced[name], decay)
 
+    def _check_idle(self, payloads: Mapping[str, Mapping[PayloadKey, tuple[Any, float]]]) -> None:
+        """Layers that captured nothing this factor-update step (rows are equal on every rank).
+
+        Each is reported once; its second-order state is released and its
+        factors start afresh, and it keeps its raw gradient until it captures.
+        """
+        for layer in self.layers:
+            payload = payloads.get(layer.name)
+            captured = payload is not None and all(rows > 0 for _, rows in payload.values())
+            if captured and layer.dormant:
+                layer.dormant = False
+                if self.plan.is_grad_worker(layer.name, self.rank):
+                    layer.block.allocate_second_order()
+                self._force_inverse_update = True
+            elif not captured and not layer.dormant:
+                layer.dormant = True
+                a_spec, g_spec = layer.block.specs
+                layer.block = self._make_block(
+                    layer.name, layer.handler, (str(a_spec), str(g_spec))
+                )
+                if layer.name not in self._reported_idle:
+                    self._reported_idle.add(layer.name)
+                    warnings.warn(
+                        f"kaisa: layer {layer.name!r} captured nothing on factor-update step "
+                        f"{self._steps} in training mode (it did not run, or ran outside the "
+                        "module call kaisa hooks); its second-order state is released and its "
+                        "gradient left raw until it captures",
+                        RuntimeWarning,
+                        stacklevel=5,  # _check_idle, _update_factors, step, no_grad, user
+                    )
+
     def _update_second_order(self) -> None:
         damping = self.options.hyper["damping"].at(self._steps)
         rank = self.rank
         with self.telemetry.timer("decomposition"):
             for layer in self.layers:
+                if layer.dormant:
+                    continue
                 assignment = self.plan.layer(layer.name)
                 for which, owner in (("a", assignment.a_rank), ("g", assignment.g_rank)):
                     if owner == rank and not layer.block.decompose(which, damping):  # type: ignore[arg-type]
@@ -705,7 +775,7 @@ class KFACPreconditioner:
         items = []
         for layer in self.layers:
             assignment = self.plan.layer(layer.name)
-            if self.plan.is_grad_worker(layer.name, rank):
+            if self.plan.is_grad_worker(layer.name, rank) and not layer.dormant:
                 for which, owner in (("a", assignment.a_rank), ("g", assignment.g_rank)):
                     items.append(
                         (assignment.column, owner, layer.block.state_tensors(which))  # type: ignore[arg-type]
@@ -713,7 +783,7 @@ class KFACPreconditioner:
         self.comm.broadcast_decompositions(items)
         with self.telemetry.timer("decomposition"):
             for layer in self.layers:
-                if self.plan.is_grad_worker(layer.name, rank):
+                if self.plan.is_grad_worker(layer.name, rank) and not layer.dormant:
                     layer.block.finish_update(damping)
 
     def _precondition(self) -> None:
@@ -727,7 +797,7 @@ class KFACPreconditioner:
         called = self.comm.any_rank([layer.called for layer in self.layers])
         with self.telemetry.timer("precondition"):
             for layer, was_called in zip(self.layers, called, strict=True):
-                if not was_called:
+                if not was_called or layer.dormant:
                     continue
                 grad = layer.handler.grad_matrix()
                 if grad is None:
@@ -753,6 +823,32 @@ class KFACPreconditioner:
                 layer.handler.set_grad_matrix(preconditioned)
 
     # -- inspection, checkpoints, teardown ------------------------------------------------
+    def coverage(self) -> Coverage:
+        """Every trainable parameter and how it is treated; ``print()`` it for a table.
+
+        A preconditioned parameter names its block(s) and their kind with the
+        representations of ``A`` and ``G`` (as chosen so far); a raw one says
+        why (no handler, a normalisation layer, ``skip_layers``, shared by
+        two modules, a frozen partner, or a layer that captured nothing).
+        """
+        specs = {
+            layer.name: (layer.dormant, "/".join(str(s) for s in layer.block.specs))
+            for layer in self.layers
+        }
+        entries = []
+        for t in self._treatments:
+            if t.kind != "raw":
+                dormant = [b for b in t.blocks if specs[b][0]]
+                if dormant:
+                    t = dataclasses.replace(
+                        t, kind="raw", reason=f"{dormant[0]} captured nothing (see the warning)"
+                    )
+                else:
+                    reps = sorted({specs[b][1] for b in t.blocks})
+                    t = dataclasses.replace(t, kind=f"{t.kind} (A/G {', '.join(reps)})")
+            entries.append(t)
+        return Coverage(tuple(entries))
+
     def memory_usage(self) -> dict[str, int]:
         """Bytes held on this rank, by category.
 

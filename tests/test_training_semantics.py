@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 from typing import Any
 
 import pytest
@@ -252,31 +253,50 @@ def test_nan_input_leaves_factors_and_state_intact() -> None:
         assert torch.equal(layer.block.a, saved["a"]) and torch.equal(layer.block.g, saved["g"])
 
 
-def test_unused_registered_module_keeps_raw_gradient() -> None:
-    """nn.MultiheadAttention bypasses its out_proj module; step() must cope."""
+def test_a_layer_used_outside_its_module_call_is_reported_and_left_raw() -> None:
+    """A registered layer whose weight is used functionally captures nothing."""
 
-    class Attn(nn.Module):
+    class Functional(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.inner = nn.Linear(8, 8)
             self.head = nn.Linear(8, 3)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            out, _ = self.attn(x, x, x)
-            return self.head(out.mean(1))
+            hidden = F.linear(x, self.inner.weight, self.inner.bias).tanh()
+            return self.head(hidden)
 
-    model = Attn()
-    pre = kaisa.KFACPreconditioner(model, kl_clip=None)
-    assert "attn.out_proj" in [layer.name for layer in pre.layers]
-    x, y = torch.randn(4, 5, 8), torch.randint(0, 3, (4,))
-    for _ in range(2):
+    model = Functional()
+    pre = kaisa.KFACPreconditioner(model, kl_clip=None, factor_update_steps=1)
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    for step in range(3):
         model.zero_grad()
         F.cross_entropy(model(x), y).backward()
-        raw_out = model.attn.out_proj.weight.grad.clone()
+        raw_inner = model.inner.weight.grad.clone()
         raw_head = model.head.weight.grad.clone()
-        pre.step()
-        assert torch.equal(model.attn.out_proj.weight.grad, raw_out)
+        if step == 0:
+            with pytest.warns(RuntimeWarning, match="'inner' captured nothing") as caught:
+                pre.step()
+            assert sum("captured nothing" in str(w.message) for w in caught) == 1
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # reported once only
+                pre.step()
+        assert torch.equal(model.inner.weight.grad, raw_inner)
         assert not torch.equal(model.head.weight.grad, raw_head)
+    inner = next(layer for layer in pre.layers if layer.name == "inner")
+    assert inner.dormant and not inner.block.has_second_order
+    treatments = {t.parameter: t for t in pre.coverage()}
+    assert treatments["inner.weight"].kind == "raw"
+    assert "captured nothing" in treatments["inner.weight"].reason
+    # Once it captures again it is preconditioned again.
+    model.forward = lambda x: model.head(model.inner(x).tanh())  # type: ignore[method-assign]
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    raw_inner = model.inner.weight.grad.clone()
+    pre.step()
+    assert not inner.dormant
+    assert not torch.equal(model.inner.weight.grad, raw_inner)
 
 
 def test_eval_mode_and_no_grad_forward_capture_nothing() -> None:

@@ -130,11 +130,18 @@ def module_layer_shapes(model: nn.Module, skip_layers: Sequence[str] = ()) -> li
 
     Asks the layer registry (:func:`kaisa.layers.find_layers`), so the plan
     printed for a model counts exactly the layers ``KFACPreconditioner``
-    registers, with the same names and the same ``skip_layers`` rule.
+    registers, with the same names and the same ``skip_layers`` rule; a
+    layer kind's own representation (an embedding's diagonal ``A``) is kept,
+    the other sides are exact.
     """
     from kaisa.layers import find_layers
 
     return [
-        LayerShape(name, handler.a_size, handler.g_size)
+        LayerShape(
+            name,
+            handler.a_size,
+            handler.g_size,
+            *(side or "exact" for side in handler.default_sides),
+        )
         for name, handler in find_layers(model, skip_layers)
     ]

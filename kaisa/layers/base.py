@@ -13,9 +13,24 @@ Handlers know nothing of processes, ranks or schedules.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import nn
+
+#: Picks one layer's part of an output gradient (``None``: all of it).
+GradSelect = Callable[[torch.Tensor], torch.Tensor] | None
+
+#: ``capture(x, output, select)``: one call of a layer saw the input ``x`` and
+#: produced ``output`` (whose gradient, through ``select``, is the layer's ``δ``).
+CaptureFn = Callable[[torch.Tensor, torch.Tensor, GradSelect], None]
+
+
+class Detachable(Protocol):
+    """What :meth:`LayerHandler.attach` returns: ``remove()`` stops the captures."""
+
+    def remove(self) -> None: ...
 
 
 class LayerHandler(ABC):
@@ -30,9 +45,35 @@ class LayerHandler(ABC):
     module: nn.Module
     a_size: int
     g_size: int
+    #: Appended to the module's name (``name.suffix``) when one module holds
+    #: several blocks (the four projections of ``nn.MultiheadAttention``).
+    suffix: str = ""
+    #: The representations this layer kind needs for ``(A, G)`` unless the user
+    #: fixes them (``None``: left to the automatic choice). ``nn.Embedding``'s
+    #: ``A`` is diagonal.
+    default_sides: tuple[str | None, str | None] = (None, None)
+    #: What kind of block this is, for :meth:`kaisa.KFACPreconditioner.coverage`.
+    kind: str = "kronecker"
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+
+    def claimed_modules(self) -> list[nn.Module]:
+        """The modules whose parameters this handler covers (their children are not registered)."""
+        return [self.module]
+
+    def attach(self, capture: CaptureFn) -> Detachable:
+        """Call ``capture(x, output, None)`` on every forward call of the module.
+
+        ``x`` is the call's first positional argument. Handlers whose layer
+        is not a module call of its own (attention projections) override this.
+        """
+
+        def hook(module: nn.Module, args: tuple[object, ...], output: object) -> None:
+            if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
+                capture(args[0], output, None)
+
+        return self.module.register_forward_hook(hook)
 
     @property
     def has_bias(self) -> bool:

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 from torch import nn
 
+from kaisa.layers.attention import attention_handlers
 from kaisa.layers.base import LayerHandler
-from kaisa.layers.conv import Conv2dHandler, ConvEstimator
+from kaisa.layers.conv import Conv2dHandler, ConvEstimator, conv1d_handler
+from kaisa.layers.embedding import embedding_handler
 from kaisa.layers.linear import LinearHandler
 
-#: ``factory(module, **options)`` returns a handler, or ``None`` to skip the module.
+#: ``factory(module, **options)`` returns a handler, several (one module holding
+#: several blocks), or ``None`` to skip the module.
 #: Options are the handler options of :func:`find_layers` (e.g. ``conv_estimator``);
 #: a factory ignores the ones that do not concern it.
-HandlerFactory = Callable[..., LayerHandler | None]
+HandlerFactory = Callable[..., LayerHandler | Sequence[LayerHandler] | None]
 
 _REGISTRY: dict[type[nn.Module], HandlerFactory] = {}
 
@@ -28,8 +32,10 @@ def register_handler(module_type: type[nn.Module], factory: HandlerFactory) -> N
     _REGISTRY[module_type] = factory
 
 
-def handler_for(module: nn.Module, **options: object) -> LayerHandler | None:
-    """The handler for ``module``, or ``None`` if kaisa does not precondition it."""
+def handler_for(
+    module: nn.Module, **options: object
+) -> LayerHandler | Sequence[LayerHandler] | None:
+    """The handler(s) for ``module``, or ``None`` if kaisa does not precondition it."""
     for cls in type(module).__mro__:
         factory = _REGISTRY.get(cls)
         if factory is not None:
@@ -51,46 +57,199 @@ def _conv2d(
     return Conv2dHandler(module, estimator=conv_estimator)
 
 
+def _attention(module: nn.Module, **_: object) -> list[LayerHandler]:
+    assert isinstance(module, nn.MultiheadAttention)
+    return list(attention_handlers(module))
+
+
 register_handler(nn.Linear, _linear)
 register_handler(nn.Conv2d, _conv2d)
+register_handler(nn.Conv1d, conv1d_handler)
+register_handler(nn.MultiheadAttention, _attention)
+register_handler(nn.Embedding, embedding_handler)
 
 
-def find_layers(
-    model: nn.Module, skip_layers: Sequence[str] = (), **options: object
-) -> list[tuple[str, LayerHandler]]:
-    """Every module of ``model`` that kaisa preconditions, with its qualified name.
+@dataclass(frozen=True)
+class Treatment:
+    """How one trainable parameter is treated: by which blocks, or left raw and why."""
 
-    The root module, if it is itself a layer, is named by its class name.
+    parameter: str
+    shape: tuple[int, ...]
+    blocks: tuple[str, ...]  # the registered layers that precondition it
+    kind: str  # the block kind, or 'raw'
+    reason: str = ""  # why it is left raw ('' when preconditioned)
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """Every trainable parameter of a model and how kaisa treats it; prints as a table."""
+
+    entries: tuple[Treatment, ...]
+
+    def raw(self) -> list[Treatment]:
+        """The parameters left with their raw gradients."""
+        return [t for t in self.entries if t.kind == "raw"]
+
+    def __iter__(self) -> Iterator[Treatment]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __str__(self) -> str:
+        rows = [("parameter", "shape", "treatment")]
+        for t in self.entries:
+            shape = "x".join(map(str, t.shape)) or "scalar"
+            blocks = ", ".join(t.blocks)
+            how = f"raw: {t.reason}" if t.kind == "raw" else f"{t.kind} in {blocks}"
+            rows.append((t.parameter, shape, how))
+        widths = [max(len(r[i]) for r in rows) for i in range(2)]
+        kept = sum(t.kind != "raw" for t in self.entries)
+        lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]}" for r in rows]
+        lines.append(f"{kept} of {len(self.entries)} trainable parameters preconditioned")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Survey:
+    """The layers kaisa preconditions in a model, and every parameter's treatment."""
+
+    layers: list[tuple[str, LayerHandler]]
+    treatments: list[Treatment]
+    warnings: list[str] = field(default_factory=list)
+
+
+_NORMS = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.modules.batchnorm._NormBase,
+    nn.RMSNorm,
+)
+
+
+def _why_unhandled(module: nn.Module) -> str:
+    if isinstance(module, _NORMS):
+        return "normalisation layer: affine parameters are left raw (a documented choice)"
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)) and module.groups != 1:
+        return f"grouped convolution (groups={module.groups}) is not preconditioned"
+    if isinstance(module, nn.Embedding) and module.sparse:
+        return "sparse embedding (sparse=True): sparse gradients are not preconditioned"
+    return f"no handler for {type(module).__name__}"
+
+
+def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object) -> Survey:
+    """Every layer of ``model`` that kaisa preconditions, and how each parameter is treated.
+
     A module is left out when its name or class name matches one of the
-    ``skip_layers`` regular expressions (``re.search``), when none of its
-    parameters requires a gradient, or when no handler supports it (a
-    grouped convolution is left out with a warning naming it). A module that
-    appears twice in the tree is registered once. ``options`` go to the
-    handler factories (``conv_estimator='expand'|'reduce'`` for convolutions).
+    ``skip_layers`` regular expressions (``re.search``), when one of its
+    handled parameters does not require a gradient, or when no handler
+    supports it. A module that appears twice in the tree (one layer called by
+    two parents) is registered once and gathers curvature from every call. A
+    parameter held by two different modules (a head tied to an embedding) is
+    left raw with a warning: its gradient sums both uses, and one use's
+    curvature would precondition it wrongly. ``options`` go to the handler
+    factories (``conv_estimator='expand'|'reduce'`` for convolutions).
     """
     patterns = [re.compile(p) for p in skip_layers]
+    owners: dict[int, list[str]] = {}
+    module_ids: dict[int, set[int]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            if id(module) not in module_ids.setdefault(id(param), set()):
+                module_ids[id(param)].add(id(module))
+                owners.setdefault(id(param), []).append(name or type(model).__name__)
     found: list[tuple[str, LayerHandler]] = []
+    raw: dict[int, str] = {}
+    messages: list[str] = []
     seen: set[int] = set()
     for name, module in model.named_modules():
         if id(module) in seen:
             continue
         seen.add(id(module))
+        label = name or type(module).__name__
         class_name = type(module).__name__
-        if any(p.search(name) or p.search(class_name) for p in patterns):
+        direct = list(module.parameters(recurse=False))
+        matched = next((p for p in patterns if p.search(name) or p.search(class_name)), None)
+        if matched is not None:
+            for param in direct:
+                raw.setdefault(id(param), f"skip_layers matched {matched.pattern!r}")
             continue
-        if not any(True for _ in module.parameters(recurse=False)):
+        if not direct:
             continue
-        handler = handler_for(module, **options)
-        if handler is None:
-            if isinstance(module, nn.Conv2d) and module.groups != 1:
-                warnings.warn(
-                    f"kaisa: skipping {name!r} ({class_name}, groups={module.groups}): "
-                    "grouped convolutions are not preconditioned; their gradients are left as is",
-                    stacklevel=3,
+        made = handler_for(module, **options)
+        if made is None:
+            reason = _why_unhandled(module)
+            for param in direct:
+                raw.setdefault(id(param), reason)
+            if isinstance(module, nn.Embedding) and module.sparse:
+                messages.append(
+                    f"kaisa: skipping {label!r} (Embedding, sparse=True): sparse gradients are "
+                    "not preconditioned; its gradient is left as is (sparse=False preconditions it)"
+                )
+            if isinstance(module, (nn.Conv1d, nn.Conv2d)) and module.groups != 1:
+                messages.append(
+                    f"kaisa: skipping {label!r} ({class_name}, groups={module.groups}): grouped "
+                    "convolutions are not preconditioned; their gradients are left as is"
                 )
             continue
-        if not all(p.requires_grad for p in handler.parameters()):
-            # A frozen weight (or bias) cannot be preconditioned as one matrix.
+        handlers = [made] if isinstance(made, LayerHandler) else list(made)
+        claimed = {id(m) for h in handlers for m in h.claimed_modules()}
+        seen |= claimed
+        for handler in handlers:
+            params = handler.parameters()
+            if not all(p.requires_grad for p in params):
+                # A frozen weight (or bias) cannot be preconditioned as one matrix.
+                for param in params:
+                    raw.setdefault(id(param), "its layer's other parameter is frozen")
+                continue
+            shared = [p for p in params if module_ids[id(p)] - claimed]
+            if shared:
+                users = sorted({o for p in shared for o in owners[id(p)]})
+                messages.append(
+                    f"kaisa: {label!r} shares a parameter with {', '.join(map(repr, users))}; its "
+                    "gradient sums every use, so it is left raw rather than preconditioned "
+                    "with one use's curvature"
+                )
+                for param in params:
+                    raw[id(param)] = f"shared by {', '.join(users)}"
+                continue
+            block = f"{label}.{handler.suffix}" if handler.suffix else label
+            found.append((block, handler))
+        # Parameters of a claimed module that no handler covers (bias_k, bias_v).
+        covered = {id(p) for h in handlers for p in h.parameters()}
+        for claimed_module in (m for h in handlers[:1] for m in h.claimed_modules()):
+            for param in claimed_module.parameters(recurse=False):
+                if id(param) not in covered:
+                    raw.setdefault(id(param), f"not a projection of {class_name}")
+    by_param: dict[int, list[tuple[str, LayerHandler]]] = {}
+    for block, handler in found:
+        for param in handler.parameters():
+            by_param.setdefault(id(param), []).append((block, handler))
+    treatments = []
+    for pname, param in model.named_parameters():
+        if not param.requires_grad:
             continue
-        found.append((name or class_name, handler))
-    return found
+        blocks = by_param.get(id(param), [])
+        if blocks and id(param) not in raw:
+            names = tuple(b for b, _ in blocks)
+            treatments.append(Treatment(pname, tuple(param.shape), names, blocks[0][1].kind))
+        else:
+            reason = raw.get(id(param), "not part of a registered layer")
+            treatments.append(Treatment(pname, tuple(param.shape), (), "raw", reason))
+    return Survey(found, treatments, messages)
+
+
+def find_layers(
+    model: nn.Module, skip_layers: Sequence[str] = (), **options: object
+) -> list[tuple[str, LayerHandler]]:
+    """Every layer of ``model`` that kaisa preconditions, with its qualified name.
+
+    The root module, if it is itself a layer, is named by its class name; the
+    blocks of a module holding several (``nn.MultiheadAttention``: ``.q``,
+    ``.k``, ``.v``, ``.out_proj``) are named with a suffix. The rules are
+    :func:`survey`'s; its warnings are issued here.
+    """
+    result = survey(model, skip_layers, **options)
+    for message in result.warnings:
+        warnings.warn(message, stacklevel=3)
+    return result.layers

@@ -1,7 +1,10 @@
 """Reference networks for tests, examples and benchmarks.
 
 ``build_model(name, **kwargs)`` builds one by name; the keyword arguments go
-to the constructor (e.g. ``build_model("gap_cnn", width=16)``).
+to the constructor (e.g. ``build_model("gap_cnn", width=16)``). ``ViT``
+(``"vit"``) is the one built from stock ``torch.nn`` Transformer modules
+(``nn.TransformerEncoder``, hence ``nn.MultiheadAttention``) rather than
+designed for K-FAC.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from torch import nn
 from kaisa.models.cnn import GapCNN, SmallCNN
 from kaisa.models.resnet import BasicBlock, CifarResNet, cifar_resnet, resnet20, resnet32
 from kaisa.models.transformer import TransformerClassifier
+from kaisa.models.vit import ViT
 
 __all__ = [
     "MODEL_NAMES",
@@ -21,6 +25,7 @@ __all__ = [
     "GapCNN",
     "SmallCNN",
     "TransformerClassifier",
+    "ViT",
     "build_model",
     "cifar_resnet",
     "resnet20",
@@ -33,6 +38,7 @@ _BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "small_cnn": SmallCNN,
     "gap_cnn": GapCNN,
     "transformer": TransformerClassifier,
+    "vit": ViT,
 }
 
 MODEL_NAMES: tuple[str, ...] = tuple(_BUILDERS)

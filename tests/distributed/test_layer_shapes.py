@@ -73,6 +73,7 @@ class Toy(nn.Module):
 def test_module_layer_shapes() -> None:
     assert module_layer_shapes(Toy()) == [
         LayerShape("conv", 3 * 3 * 5 + 1, 8),
+        LayerShape("embed", 10, 4, "diagonal", "exact"),
         LayerShape("head.0", 16, 7),
         LayerShape("head.2", 8, 2),
     ]
@@ -80,11 +81,13 @@ def test_module_layer_shapes() -> None:
 
 def test_module_layer_shapes_skip_layers() -> None:
     assert [s.name for s in module_layer_shapes(Toy(), skip_layers=["Conv2d"])] == [
+        "embed",
         "head.0",
         "head.2",
     ]
     assert [s.name for s in module_layer_shapes(Toy(), skip_layers=[r"^head\.2$"])] == [
         "conv",
+        "embed",
         "head.0",
     ]
 

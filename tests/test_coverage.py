@@ -1,0 +1,104 @@
+"""Coverage of every trainable parameter, shared parameters, and layer kinds (issue 16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kaisa
+
+
+class TiedLM(nn.Module):
+    """Embedding, a batch-first encoder, and a head tied to the embedding."""
+
+    def __init__(self, vocab: int = 11, d: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, 2, 16, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+        self.head.weight = self.embed.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.encoder(self.embed(idx))))
+
+
+def test_a_tied_parameter_is_left_raw_with_a_warning_naming_it() -> None:
+    torch.manual_seed(0)
+    model = TiedLM()
+    with pytest.warns(UserWarning, match="shares a parameter") as caught:
+        pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
+    text = " ".join(str(w.message) for w in caught)
+    assert "'embed'" in text and "'head'" in text
+    names = [layer.name for layer in pre.layers]
+    assert "embed" not in names and "head" not in names
+    assert "encoder.layers.0.self_attn.q" in names
+    raw = {t.parameter: t.reason for t in pre.coverage().raw()}
+    assert raw["embed.weight"] == "shared by embed, head"
+    idx = torch.randint(0, 11, (3, 5))
+    F.cross_entropy(model(idx).reshape(-1, 11), idx.reshape(-1)).backward()
+    tied = model.embed.weight.grad.clone()
+    pre.step()
+    assert torch.equal(model.embed.weight.grad, tied)
+
+
+def test_coverage_lists_every_trainable_parameter_with_its_treatment() -> None:
+    torch.manual_seed(0)
+    model = TiedLM()
+    model.head.weight = nn.Parameter(torch.randn(11, 8))  # untied
+    model.head.bias.requires_grad_(False)
+    pre = kaisa.KFACPreconditioner(model, skip_layers=[r"linear2"])
+    coverage = pre.coverage()
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert [t.parameter for t in coverage] == trainable
+    by_name = {t.parameter: t for t in coverage}
+    assert by_name["embed.weight"].kind.startswith("kronecker (embedding")
+    assert by_name["embed.weight"].blocks == ("embed",)
+    in_proj = by_name["encoder.layers.0.self_attn.in_proj_weight"]
+    assert in_proj.blocks == tuple(f"encoder.layers.0.self_attn.{r}" for r in "qkv")
+    assert "normalisation" in by_name["norm.weight"].reason
+    assert "normalisation" in by_name["encoder.layers.0.norm1.bias"].reason
+    assert by_name["encoder.layers.0.linear2.weight"].reason == "skip_layers matched 'linear2'"
+    assert by_name["head.weight"].reason == "its layer's other parameter is frozen"
+    assert "head.bias" not in by_name  # frozen: not trainable
+    table = str(coverage)
+    assert all(name in table for name in trainable)
+    kept = sum(t.kind != "raw" for t in coverage)
+    assert table.endswith(f"{kept} of {len(trainable)} trainable parameters preconditioned")
+    # Once the automatic choice is made, the representations show.
+    idx = torch.randint(0, 11, (3, 5))
+    F.cross_entropy(model(idx).reshape(-1, 11), idx.reshape(-1)).backward()
+    pre.step()
+    assert "A/G diagonal/" in {t.parameter: t for t in pre.coverage()}["embed.weight"].kind
+
+
+def test_a_layer_called_twice_gathers_curvature_from_both_calls() -> None:
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.Tanh(), shared)
+    pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, curvature="exact")
+    assert [layer.name for layer in pre.layers] == ["0"]
+    model(torch.randn(6, 4)).sum().backward()
+    layer = pre.layers[0]
+    assert layer.rows[("a", "gram")] == 12 and layer.rows[("g", "gram")] == 12
+    assert not pre.coverage().raw()
+
+
+def test_conv1d_is_registered() -> None:
+    model = nn.Sequential(nn.Conv1d(3, 4, 3, padding=1), nn.Flatten(), nn.Linear(4 * 9, 2))
+    pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
+    assert [layer.name for layer in pre.layers] == ["0", "2"]
+    F.cross_entropy(model(torch.randn(5, 3, 9)), torch.randint(0, 2, (5,))).backward()
+    raw = model[0].weight.grad.clone()
+    pre.step()
+    assert pre.layers[0].block.updates == 1
+    assert not torch.equal(model[0].weight.grad, raw)
+
+
+def test_a_grouped_conv1d_is_skipped_with_a_warning() -> None:
+    model = nn.Sequential(nn.Conv1d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(4, 2))
+    with pytest.warns(UserWarning, match="groups=2"):
+        pre = kaisa.KFACPreconditioner(model)
+    assert [layer.name for layer in pre.layers] == ["2"]
