@@ -29,7 +29,7 @@ from kaisa.curvature.block import (
 )
 from kaisa.curvature.budget import BudgetChoice, LayerWork, choose_curvature
 from kaisa.curvature.costs import Capture, SideSpec
-from kaisa.curvature.linalg import compute_dtype, kl_clip_scale
+from kaisa.curvature.linalg import compute_dtype, kl_clip_scale, unscale
 from kaisa.distributed.agreement import agreement_digest, check_agreement
 from kaisa.distributed.comm import Communicator, Payload, PayloadKey, default_world, plan_layout
 from kaisa.distributed.plan import LayerShape, WorkPlan, make_plan
@@ -178,8 +178,10 @@ class KFACPreconditioner:
     to COMM-OPT (``1``).
 
     Args:
-        model: the model (plain, or wrapped in DDP); its ``nn.Linear`` and
-            ``nn.Conv2d`` (groups = 1) layers are registered.
+        model: the model (plain, or wrapped in DDP); its ``nn.Linear``,
+            ``nn.Conv1d``/``nn.Conv2d`` (groups = 1), ``nn.MultiheadAttention``
+            (four blocks) and ``nn.Embedding`` layers are registered
+            (:meth:`coverage` lists every parameter's treatment).
         factor_update_steps: update the factors every this many steps.
         inv_update_steps: recompute the second-order state every this many steps.
         damping: Tikhonov damping ``γ`` (> 0).
@@ -585,6 +587,10 @@ class KFACPreconditioner:
                 delta = grad.detach().to(self.product_dtype)
                 if self._step_scale is None and self._grad_scale is not None:
                     self._step_scale = self._grad_scale()
+                if self._step_scale is not None and self._step_scale != 1.0:
+                    # Unscaled before the products: δ at a loss scale of 2^70 would
+                    # overflow δᵀδ in float32, and the squared scale overflows from 2^64.
+                    delta = unscale(delta, self._step_scale)
             if self.options.update_factors_in_hook:
                 with self.telemetry.timer("factor_products"):
                     layer.accumulate("g", delta)
@@ -615,11 +621,10 @@ class KFACPreconditioner:
         layer.grad_outputs.clear()
         if any(key not in layer.sums or not layer.rows.get(key) for key in layer.keys):
             return None
-        # Batch-split invariance (spec §3): δ is divided by the world size, and by
-        # the loss scale under AMP, before it enters G; squared in δᵀδ and δ².
+        # Batch-split invariance (spec §3): δ is divided by the world size (and by
+        # the loss scale under AMP, done in the hook) before it enters G; squared
+        # in δᵀδ and δ².
         g_scale = float(self.world_size)
-        if self._step_scale is not None:
-            g_scale *= self._step_scale
         if g_scale != 1.0:
             for key in layer.keys:
                 if key == ("g", "gram"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 import warnings
 from typing import Any
 
@@ -176,6 +177,56 @@ def test_grad_scaler_unscales_captured_gradients() -> None:
     for a, b in zip(pre.layers, pre_s.layers, strict=True):
         torch.testing.assert_close(a.block.g, b.block.g, rtol=1e-12, atol=1e-16)
     torch.testing.assert_close(model.fc.weight.grad, scaled.fc.weight.grad)
+
+
+@pytest.mark.parametrize("exponent", [64, 80])
+def test_a_huge_finite_loss_scale_leaves_g_as_without_scaling(exponent: int) -> None:
+    """Float32 G at a loss scale of 2^64 (the squared scale overflows) and 2^80 (δᵀδ would)."""
+    model = Net()
+    scaled = copy.deepcopy(model)
+    x, y = data()
+    x = x.float()
+    pre = kaisa.KFACPreconditioner(model, factor_decay=0.0, factor_update_steps=1)
+    F.cross_entropy(model(x), y).backward()
+    pre.step()
+    scale = 2.0**exponent
+    pre_s = kaisa.KFACPreconditioner(
+        scaled, factor_decay=0.0, factor_update_steps=1, grad_scaler=lambda: scale
+    )
+    (F.cross_entropy(scaled(x), y) * scale).backward()
+    for p in scaled.parameters():
+        p.grad.div_(scale)
+    pre_s.step()
+    assert pre_s.telemetry.skipped_factor_updates == 0
+    for a, b in zip(pre.layers, pre_s.layers, strict=True):
+        assert b.block.g.abs().sum() > 0
+        torch.testing.assert_close(a.block.g, b.block.g, rtol=1e-5, atol=1e-12)
+
+
+def test_kl_clipping_holds_when_lr_squared_overflows() -> None:
+    from kaisa.curvature.linalg import kl_clip_scale
+
+    p, g = torch.ones(3, dtype=D), torch.full((3,), 2.0, dtype=D)
+    for lr in (0.1, 1e100, 1e200):
+        expected = math.sqrt(1e-3 / 6.0) / lr  # sqrt(κ / (lr² Σ P∇)), exactly
+        assert kl_clip_scale([(p, g)], lr, 1e-3) == pytest.approx(expected, rel=1e-12)
+    assert kl_clip_scale([(p, g)], 0.0, 1e-3) == 1.0
+
+
+def test_a_bias_frozen_after_registration_is_not_moved() -> None:
+    model = Net()
+    pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
+    model.fc.bias.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    frozen = model.fc.bias.detach().clone()
+    x, y = data()
+    for _ in range(2):
+        opt.zero_grad()
+        F.cross_entropy(model(x.float()), y).backward()
+        pre.step()
+        assert model.fc.bias.grad is None
+        opt.step()
+    assert torch.equal(model.fc.bias, frozen)
 
 
 def test_grad_scaler_object_is_read() -> None:

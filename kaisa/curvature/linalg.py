@@ -126,6 +126,17 @@ def precondition_inverse(
     return (g_inverse @ grad.to(dtype) @ a_inverse).to(grad.dtype)
 
 
+def unscale(delta: torch.Tensor, scale: float) -> torch.Tensor:
+    """``δ / scale`` (a new tensor), in a dtype with at least float32's range.
+
+    A float16 ``δ`` comes back in float32: the unscaled values would flush to
+    zero in float16's range.
+    """
+    if torch.finfo(delta.dtype).max < torch.finfo(torch.float32).max:
+        return delta.float() / scale
+    return delta / scale
+
+
 def kl_clip_scale(
     pairs: list[tuple[torch.Tensor, torch.Tensor]], lr: float, kl_clip: float
 ) -> float:
@@ -138,8 +149,8 @@ def kl_clip_scale(
     if not pairs:
         return 1.0
     dtype = torch.float64 if any(p.dtype == torch.float64 for p, _ in pairs) else torch.float32
-    total = torch.stack([(p * g).sum(dtype=dtype) for p, g in pairs]).sum()
-    s = abs(float(total)) * lr * lr
-    if s == 0.0 or not math.isfinite(s):
+    total = abs(float(torch.stack([(p * g).sum(dtype=dtype) for p, g in pairs]).sum()))
+    if total == 0.0 or lr == 0.0 or not math.isfinite(total):
         return 1.0
-    return min(1.0, math.sqrt(kl_clip / s))
+    # sqrt(κ / (lr² |Σ|)) without forming lr², which overflows for |lr| > 1e154.
+    return min(1.0, math.sqrt(kl_clip / total) / abs(lr))

@@ -268,7 +268,7 @@ class AttentionProjectionHandler(LinearHandler):
         cols = weight.shape[1]
         weight.grad[rows].copy_(matrix[:, :cols])
         bias = self._bias_and_rows()
-        if bias is not None:
+        if bias is not None and bias[0].requires_grad:
             b, b_rows = bias
             if b.grad is None:
                 b.grad = torch.zeros_like(b)

@@ -168,6 +168,8 @@ class LayerHandler(ABC):
         if self.has_bias:
             bias = self.module.bias
             assert isinstance(bias, torch.Tensor)
+            if not bias.requires_grad:  # frozen after registration: never given a gradient
+                return
             if bias.grad is None:
                 bias.grad = torch.zeros_like(bias)
             bias.grad.copy_(matrix[:, w_cols])
