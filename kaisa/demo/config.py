@@ -95,6 +95,15 @@ WORKLOADS: dict[str, Workload] = {
         note="PLACEHOLDER target and budget, to be decided by a calibration run; "
         "28x28 input as is (global average pooling: 28 -> 14 -> 7)",
     ),
+    "vit": Workload(
+        "vit",
+        "vit",
+        0.86,
+        3,
+        note="a ViT from nn.TransformerEncoder (7x7 patches, d 64, 2 layers, 4 heads), the "
+        "transformer workload of issue 16: in a 3-epoch probe at the fallback LRs "
+        "(2026-11-24) every arm but SGD reached 86%",
+    ),
     "resnet32": Workload(
         "resnet32",
         "resnet32",

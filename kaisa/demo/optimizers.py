@@ -234,12 +234,21 @@ def muon_param_split(model: nn.Module) -> MuonSplit:
 
     Hidden weights are the ``weight`` of every ``nn.Linear`` and ``nn.Conv2d``
     except the first and the last such layer in definition order (the input
-    layer and the classifier head). A model with fewer than three such layers
+    layer and the classifier head), and the Q/K/V projection weights of every
+    ``nn.MultiheadAttention``. A model with fewer than three such layers
     has no hidden weight. A DDP wrapper is looked through.
     """
     model = _unwrap(model)
     layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
     hidden = {id(m.weight) for m in layers[1:-1] if m.weight.requires_grad}
+    # Attention's Q/K/V projections are hidden matrices too (the packed
+    # in_proj_weight is orthogonalised as one matrix).
+    for m in model.modules():
+        if isinstance(m, nn.MultiheadAttention):
+            for name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                weight = getattr(m, name, None)
+                if isinstance(weight, nn.Parameter) and weight.requires_grad:
+                    hidden.add(id(weight))
     matrices: list[str] = []
     filters: list[str] = []
     adamw: list[str] = []

@@ -376,6 +376,8 @@ class _ConvHandler(LayerHandler):
     (:meth:`_batched`); the subclasses say how.
     """
 
+    kind = "kronecker (convolution)"
+
     module: nn.Conv1d | nn.Conv2d
     _module_type: ClassVar[type[nn.Conv1d] | type[nn.Conv2d]]
 

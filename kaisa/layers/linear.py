@@ -17,6 +17,7 @@ class LinearHandler(LayerHandler):
     """
 
     module: nn.Linear
+    kind = "kronecker (linear)"
 
     def __init__(self, module: nn.Linear) -> None:
         super().__init__(module)
