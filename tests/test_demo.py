@@ -628,6 +628,10 @@ def test_schedule_reaches_every_param_group(tiny: Path) -> None:
         ("resnet20", [], [f"layer{s}.{b}.conv{c}.weight" for s in (1, 2, 3) for b in range(3)
                           for c in (1, 2)],
          ["conv1.weight", "fc.weight"]),
+        ("vit", [f"encoder.layers.{i}.{w}" for i in (0, 1)
+                 for w in ("self_attn.in_proj_weight", "self_attn.out_proj.weight",
+                           "linear1.weight", "linear2.weight")],
+         [], ["cls_token", "pos_embed", "patch_embed.weight", "head.weight"]),
     ],
 )  # fmt: skip
 def test_muon_param_split(
