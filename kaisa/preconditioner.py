@@ -115,9 +115,11 @@ class _Layer:
     #: Captured nothing on the last factor-update step (on any rank): no
     #: second-order state, raw gradient, until it captures again.
     dormant: bool = False
+    extra_passes: int = 0  # forward calls beyond accumulation_steps this step
 
     def reset(self) -> None:
         self.called = False
+        self.extra_passes = 0
         self.pending = 0
         self.micro_batches = 0
         self.sums.clear()
@@ -564,24 +566,27 @@ class KFACPreconditioner:
             and self._capture_this_step
         ):
             return
+        if layer.micro_batches >= self.options.accumulation_steps:
+            # A pass beyond accumulation_steps: not in the factors, on any world
+            # size (with several ranks the factors are already on their way).
+            layer.extra_passes += 1
+            return
+        with self.telemetry.timer("capture"):
+            layer.pending += 1
+            # The input enters A only when its output gradient arrives: a forward
+            # whose backward never runs leaves no trace in the factors. Autograd
+            # holds the input for the weight gradient anyway.
+            output.register_hook(  # type: ignore[no-untyped-call]
+                functools.partial(self._grad_output_hook, layer, select, x.detach())
+            )
+
+    def _grad_output_hook(
+        self, layer: _Layer, select: GradSelect, x: torch.Tensor, grad: torch.Tensor
+    ) -> None:
         with torch.autocast(self.device.type, enabled=False):
             with self.telemetry.timer("capture"):
-                x = x.detach()
                 if x.is_floating_point():  # (an embedding's indices stay integers)
                     x = x.to(self.product_dtype)
-                layer.pending += 1
-                output.register_hook(  # type: ignore[no-untyped-call]
-                    functools.partial(self._grad_output_hook, layer, select)
-                )
-            if self.options.update_factors_in_hook:
-                with self.telemetry.timer("factor_products"):
-                    layer.accumulate("a", x)
-            else:
-                layer.inputs.append(x)
-
-    def _grad_output_hook(self, layer: _Layer, select: GradSelect, grad: torch.Tensor) -> None:
-        with torch.autocast(self.device.type, enabled=False):
-            with self.telemetry.timer("capture"):
                 if select is not None:
                     grad = select(grad)
                 delta = grad.detach().to(self.product_dtype)
@@ -593,8 +598,10 @@ class KFACPreconditioner:
                     delta = unscale(delta, self._step_scale)
             if self.options.update_factors_in_hook:
                 with self.telemetry.timer("factor_products"):
+                    layer.accumulate("a", x)
                     layer.accumulate("g", delta)
             else:
+                layer.inputs.append(x)
                 layer.grad_outputs.append(delta)
             layer.pending -= 1
             if layer.pending == 0:
@@ -665,6 +672,15 @@ class KFACPreconditioner:
             self.telemetry.end_step()
 
     def _update_factors(self) -> None:
+        extra = max(layer.extra_passes for layer in self.layers)
+        if extra:
+            warnings.warn(
+                f"kaisa: more forward/backward passes this step than accumulation_steps="
+                f"{self.options.accumulation_steps} (at least {extra} more); the passes beyond "
+                "it are not in the factors: set accumulation_steps to the passes per step",
+                RuntimeWarning,
+                stacklevel=4,  # _update_factors, step, torch's no_grad wrapper, user
+            )
         for layer in self.layers:
             if layer.pending:
                 warnings.warn(

@@ -357,10 +357,10 @@ def test_eval_mode_and_no_grad_forward_capture_nothing() -> None:
     with torch.no_grad():
         model(x.float())
     model.eval()
-    model(x.float())
+    model(x.float()).sum().backward()
     assert pre.memory_usage()["captures"] == 0
     model.train()
-    model(x.float())
+    model(x.float()).sum().backward()
     assert pre.memory_usage()["captures"] > 0
 
 
@@ -432,3 +432,63 @@ def test_channels_last_model_trains_like_a_contiguous_one(estimator: str) -> Non
         weights.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(weights[0], weights[1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def factors_of_one_pass(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> list[tuple[torch.Tensor, ...]]:
+    model = copy.deepcopy(model)
+    model.zero_grad()
+    pre = kaisa.KFACPreconditioner(model, factor_decay=0.0, curvature="exact", inv_dtype=D)
+    F.cross_entropy(model(x), y).backward()
+    pre.step()
+    return [(layer.block.a.clone(), layer.block.g.clone()) for layer in pre.layers]
+
+
+def test_a_forward_without_backward_leaves_no_trace_in_the_factors() -> None:
+    model = Net().double()
+    pre = kaisa.KFACPreconditioner(model, factor_decay=0.0, curvature="exact", inv_dtype=D)
+    x0, _ = data(seed=1)
+    x, y = data(seed=2)
+    expected = factors_of_one_pass(model, x, y)
+    model(x0 * 100.0)  # never backpropagated
+    F.cross_entropy(model(x), y).backward()
+    with pytest.warns(RuntimeWarning, match="without a backward pass"):
+        pre.step()
+    for layer, (a, g) in zip(pre.layers, expected, strict=True):
+        torch.testing.assert_close(layer.block.a, a)
+        torch.testing.assert_close(layer.block.g, g)
+
+
+@pytest.mark.parametrize("in_hook", [True, False])
+def test_passes_beyond_accumulation_steps_are_reported_and_not_folded(in_hook: bool) -> None:
+    model = Net().double()
+    pre = kaisa.KFACPreconditioner(
+        model,
+        factor_decay=0.0,
+        curvature="exact",
+        inv_dtype=D,
+        accumulation_steps=1,
+        update_factors_in_hook=in_hook,
+    )
+    x, y = data(seed=3)
+    x2, y2 = data(seed=4)
+    expected = factors_of_one_pass(model, x, y)
+    F.cross_entropy(model(x), y).backward()
+    F.cross_entropy(model(x2), y2).backward()
+    with pytest.warns(RuntimeWarning, match="accumulation_steps=1"):
+        pre.step()
+    # The same rule on every world size: only the first pass is in the factors.
+    for layer, (a, g) in zip(pre.layers, expected, strict=True):
+        torch.testing.assert_close(layer.block.a, a)
+        torch.testing.assert_close(layer.block.g, g)
+
+
+def test_a_deep_copy_of_the_model_does_not_capture_into_the_preconditioner() -> None:
+    model = Net()
+    pre = kaisa.KFACPreconditioner(model, factor_update_steps=1)
+    twin = copy.deepcopy(model)
+    x, y = data()
+    F.cross_entropy(twin(x.float()), y).backward()
+    assert pre.memory_usage()["captures"] == 0
+    assert all(layer.micro_batches == 0 for layer in pre.layers)

@@ -123,7 +123,12 @@ class _AttentionSite:
             self._hooks = []
 
     def _enter(self, module: nn.Module, args: object) -> None:
-        if module.training and torch.is_grad_enabled() and self._watch is None:
+        if (
+            module is self.module
+            and module.training
+            and torch.is_grad_enabled()
+            and self._watch is None
+        ):
             self._watch = _ProjectionWatch(self)
             self._watch.__enter__()  # type: ignore[no-untyped-call]
 

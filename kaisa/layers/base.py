@@ -69,11 +69,17 @@ class LayerHandler(ABC):
         is not a module call of its own (attention projections) override this.
         """
 
+        own = self.module
+
         def hook(module: nn.Module, args: tuple[object, ...], output: object) -> None:
+            # A deep copy of the model carries this hook along: its modules are
+            # not this handler's and must not capture into it.
+            if module is not own:
+                return
             if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
                 capture(args[0], output, None)
 
-        return self.module.register_forward_hook(hook)
+        return own.register_forward_hook(hook)
 
     @property
     def has_bias(self) -> bool:
