@@ -7,7 +7,8 @@ process gets from the whole batch, and every rank must hold the same weights
 after every step. Also checked: a DistributedDataParallel-wrapped model,
 factors computed in ``step()`` rather than in the hooks, gradient
 accumulation (two micro-batches, each loss halved), one all-reduce bucket
-per layer, a layer called twice per forward pass, a model with fewer layers
+per layer, a layer called twice per forward pass, a model with attention, an
+embedding and a Conv1d, a model with fewer layers
 than gradient-worker columns, and a layer that no rank uses at some steps.
 These hold the curvature exact (spec §4). Fixed mixed representations
 (spec §8: every side kind, ``'exact'``, ``'lowrank:K'``, ``'kvec'`` and
@@ -146,7 +147,33 @@ class Branchy(nn.Module):
         return self.head(x)
 
 
-MODELS = {"net": Net, "shared": SharedNet, "one_layer": OneLayer, "branchy": Branchy}
+class Attention(nn.Module):
+    """The transformer layer kinds: Embedding, Conv1d, MultiheadAttention (four blocks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 8)
+        self.proj = nn.Linear(2, 8)
+        self.conv = nn.Conv1d(8, 8, 3, padding=1)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.flatten(2).transpose(1, 2)  # (N, 36 positions, 2 channels)
+        ids = torch.bucketize(x[:, 0].flatten(1), torch.tensor([-1.0, -0.3, 0.3, 1.0]))
+        h = self.proj(tokens) + self.embed(ids)
+        h = torch.tanh(self.conv(h.transpose(1, 2))).transpose(1, 2)
+        h, _ = self.attn(h, h, h, need_weights=False)
+        return self.head(h.mean(1))
+
+
+MODELS = {
+    "net": Net,
+    "shared": SharedNet,
+    "one_layer": OneLayer,
+    "branchy": Branchy,
+    "attention": Attention,
+}
 
 
 class NamedLikeDDP(nn.Module):
@@ -268,6 +295,9 @@ def configs(world_size: int) -> list[Config]:
             # Relative damping, factors from the first batch on.
             Config(f, "eigen", relative=True, ddp=i % 2 == 1, symmetry_aware=i % 2 == 0),
             Config(f, "inverse", relative=True, accumulation_steps=2, colocate_factors=False),
+            # Attention, an embedding and a Conv1d (issue 16).
+            Config(f, "eigen", model="attention", ddp=i % 2 == 0),
+            Config(f, "inverse", model="attention", accumulation_steps=2, symmetry_aware=True),
         ]
     mixed = []
     for i, f in enumerate(fractions(world_size)):
