@@ -128,6 +128,13 @@ def _dtype(name: str, value: object, allow_none: bool = True) -> torch.dtype | N
     return value
 
 
+#: The smallest damping accepted. Below it damping cannot regularise a solve
+#: in float32 or float64: with a singular factor the eigen solve divides by
+#: about the damping alone (1/1e-40 overflows float32 to inf, then NaN), and
+#: an inverse of ``F + γI`` is as singular as ``F``.
+MIN_DAMPING = 1e-12
+
+
 @dataclass(frozen=True)
 class KFACOptions:
     """The validated constructor arguments of :class:`~kaisa.KFACPreconditioner`."""
@@ -187,7 +194,7 @@ class KFACOptions:
             "inv_update_steps": Hyperparameter(
                 Rule("inv_update_steps", integer=True, low=1), value("inv_update_steps")
             ),
-            "damping": Hyperparameter(Rule("damping", low=0.0, low_open=True), self.damping),
+            "damping": Hyperparameter(Rule("damping", low=MIN_DAMPING), self.damping),
             "factor_decay": Hyperparameter(
                 Rule("factor_decay", low=0.0, high=1.0, high_open=True), value("factor_decay")
             ),

@@ -186,7 +186,8 @@ class KFACPreconditioner:
             (:meth:`coverage` lists every parameter's treatment).
         factor_update_steps: update the factors every this many steps.
         inv_update_steps: recompute the second-order state every this many steps.
-        damping: Tikhonov damping ``γ`` (> 0).
+        damping: Tikhonov damping ``γ`` (>= 1e-12: below, no float32 or float64
+            solve is regularised; a singular factor would give inf or NaN).
         factor_decay: running-average decay ``ξ`` in ``[0, 1)``.
         kl_clip: KL-clipping bound ``κ`` (> 0), or ``None`` to turn clipping off.
         lr: learning rate used by KL clipping (should follow the optimizer's).
@@ -654,6 +655,11 @@ class KFACPreconditioner:
 
         Call after the backward pass(es) of a step and before ``optimizer.step()``.
         """
+        # Every schedule is read (and checked) before anything changes: a bad
+        # value raises here, leaving captures, factors and the step count as
+        # they were.
+        for hyper in self.options.hyper.values():
+            hyper.at(self._steps)
         held = sum(layer.capture_bytes() for layer in self.layers)
         self._peak_capture_bytes = max(self._peak_capture_bytes, held)
         try:

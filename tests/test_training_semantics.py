@@ -100,6 +100,32 @@ def test_schedule_returning_a_bad_value_names_it() -> None:
         pre.step()
 
 
+def test_a_bad_schedule_value_changes_nothing() -> None:
+    """Damping 1e-40 at step 1 (a singular factor would give inf/NaN): refused, state kept."""
+    pre = kaisa.KFACPreconditioner(
+        Net().double(),
+        damping=lambda step: 0.03 if step == 0 else 1e-40,
+        factor_update_steps=1,
+        inv_update_steps=1,
+    )
+    x, y = data()
+    F.cross_entropy(pre.model(x), y).backward()
+    pre.step()
+    pre.model.zero_grad()
+    F.cross_entropy(pre.model(x), y).backward()
+    before = copy.deepcopy(pre.state_dict())
+    held = pre.memory_usage()["captures"]
+    grads = [p.grad.clone() for p in pre.model.parameters()]
+    with pytest.raises(ValueError, match=r"damping must be a number >= 1e-12 .* at step 1"):
+        pre.step()
+    assert pre.steps == 1 and pre.memory_usage()["captures"] == held > 0
+    after = pre.state_dict()
+    for name, layer in before["layers"].items():
+        assert torch.equal(layer["a"], after["layers"][name]["a"])
+        assert torch.equal(layer["g"], after["layers"][name]["g"])
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, pre.model.parameters(), strict=True))
+
+
 def train(
     model: nn.Module, opt: torch.optim.Optimizer, pre: kaisa.KFACPreconditioner, steps: range
 ) -> None:
