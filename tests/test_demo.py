@@ -191,6 +191,29 @@ def test_reader_rejects_bad_files(
         load_fashion_mnist(d)
 
 
+def test_reader_refuses_a_gzip_bomb_without_decompressing_it(tmp_path: Path) -> None:
+    """A header announcing 2x28x28 bytes followed by 64 MiB of zeros (64 kB compressed)."""
+    import tracemalloc
+    import zlib
+
+    path = tmp_path / "bomb.gz"
+    header = b"\x00\x00\x08\x03" + (2).to_bytes(4, "big") + (28).to_bytes(4, "big") * 2
+    compressor = zlib.compressobj(9, zlib.DEFLATED, 31)  # gzip framing
+    chunks = [compressor.compress(header)]
+    zeros = bytes(1 << 20)
+    chunks += [compressor.compress(zeros) for _ in range(64)]
+    path.write_bytes(b"".join([*chunks, compressor.flush()]))
+    assert path.stat().st_size < 200_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(DatasetError, match="file holds more than 1568"):
+            read_idx(path, ndim=3)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20  # never near the 64 MiB it would decompress to
+
+
 def test_reader_rejects_inconsistent_labels(tmp_path: Path) -> None:
     d = write_tiny(tmp_path, 40, 10)
     write_idx(d / FILES["test_labels"], np.zeros(9, dtype=np.uint8))

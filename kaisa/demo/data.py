@@ -52,7 +52,8 @@ NUM_CLASSES = 10
 _MEAN = 0.2860
 _STD = 0.3530
 _UBYTE = 0x08
-_MAX_ELEMENTS = 1 << 31
+#: At most this many data bytes (Fashion-MNIST's largest file holds 47 million).
+_MAX_ELEMENTS = 1 << 27
 
 
 class DatasetError(Exception):
@@ -70,36 +71,48 @@ def read_idx(path: str | os.PathLike[str], ndim: int) -> npt.NDArray[np.uint8]:
     if not p.is_file():
         raise DatasetError(f"{p}: file not found")
     try:
+        # The header first, then exactly the bytes it announces (and one more to
+        # detect trailing data): a file that decompresses to far more than its
+        # header says (a gzip bomb) is refused after reading at most that much.
         with gzip.open(p, "rb") as f:
-            raw = f.read()
+            shape, header_error = _read_header(f, ndim)
+            if header_error:
+                raise DatasetError(f"{p}: {header_error}")
+            count = 1
+            for size in shape:
+                count *= size
+            if count == 0 or count > _MAX_ELEMENTS:
+                raise DatasetError(f"{p}: implausible IDX shape {tuple(shape)}")
+            data = f.read(count)
+            trailing = f.read(1)
     except (OSError, EOFError, zlib.error) as exc:
         # gzip.BadGzipFile is an OSError; a truncated stream is an EOFError.
         raise DatasetError(f"{p}: not a readable gzip file ({exc})") from None
-    if len(raw) < 4:
-        raise DatasetError(f"{p}: too short for an IDX header ({len(raw)} bytes)")
-    zero, dtype, dims = struct.unpack(">HBB", raw[:4])
-    if zero != 0 or dtype != _UBYTE or dims != ndim:
-        magic = int.from_bytes(raw[:4], "big")
-        expected = (_UBYTE << 8) | ndim
+    if len(data) != count or trailing:
+        held = f"{len(data)}" if not trailing else f"more than {count}"
         raise DatasetError(
-            f"{p}: bad IDX magic number 0x{magic:08x} (expected 0x{expected:08x}: "
+            f"{p}: header says {tuple(shape)} = {count} bytes of data, file holds {held}"
+        )
+    return np.frombuffer(data, dtype=np.uint8).reshape(shape)
+
+
+def _read_header(f: gzip.GzipFile, ndim: int) -> tuple[tuple[int, ...], str]:
+    """The IDX header's shape, or an error message (``''`` when it is good)."""
+    magic_bytes = f.read(4)
+    if len(magic_bytes) < 4:
+        return (), f"too short for an IDX header ({len(magic_bytes)} bytes)"
+    zero, dtype, dims = struct.unpack(">HBB", magic_bytes)
+    if zero != 0 or dtype != _UBYTE or dims != ndim:
+        magic = int.from_bytes(magic_bytes, "big")
+        expected = (_UBYTE << 8) | ndim
+        return (), (
+            f"bad IDX magic number 0x{magic:08x} (expected 0x{expected:08x}: "
             f"unsigned bytes, {ndim} dimension{'s' if ndim > 1 else ''})"
         )
-    header = 4 + 4 * ndim
-    if len(raw) < header:
-        raise DatasetError(f"{p}: truncated IDX header")
-    shape = struct.unpack(">" + "I" * ndim, raw[4:header])
-    count = 1
-    for size in shape:
-        count *= size
-    if count == 0 or count > _MAX_ELEMENTS:
-        raise DatasetError(f"{p}: implausible IDX shape {tuple(shape)}")
-    if len(raw) - header != count:
-        raise DatasetError(
-            f"{p}: header says {tuple(shape)} = {count} bytes of data, "
-            f"file holds {len(raw) - header}"
-        )
-    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
+    sizes = f.read(4 * ndim)
+    if len(sizes) < 4 * ndim:
+        return (), "truncated IDX header"
+    return struct.unpack(">" + "I" * ndim, sizes), ""
 
 
 def write_idx(path: str | os.PathLike[str], array: npt.NDArray[np.uint8]) -> None:
