@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 from kaisa.curvature.block import (
+    OUTLIER_PATIENCE,
+    OUTLIER_RATIO,
     BlockLayout,
     CheckedBlockState,
     KroneckerBlock,
@@ -393,6 +395,7 @@ class KFACPreconditioner:
             layer.handler.attach(functools.partial(self._capture, layer)) for layer in self.layers
         ]
         self._reported_idle: set[str] = set()
+        self._reported_outliers: set[str] = set()
         self._steps = 0
         self._peak_capture_bytes = 0
         self._capture_this_step = self._is_factor_step()
@@ -720,10 +723,10 @@ class KFACPreconditioner:
             )
             reduced[layer.name] = (a, g)
             captured[layer.name] = a_rows > 0 and g_rows > 0
-            # A's trace (a gram's diagonal, or the mean squared row) is 0 when the
-            # layer saw only zeros, or nothing: such a step is not folded.
-            gram = layer.block.specs[0].capture == "gram"
-            traces.append(a.diagonal().sum() if gram else a[1].sum())
+            # The batch's and the running averages' traces: A's batch trace is 0
+            # when the layer saw only zeros, or nothing (not folded); a spike
+            # against the running average is an outlier batch.
+            traces += layer.block.traces(a, g)
         names = [name for name in (layer.name for layer in self.layers) if name in reduced]
         # Each parameter once (attention projections share theirs).
         params = {id(p): p for layer in self.layers for p in layer.handler.parameters()}
@@ -741,7 +744,7 @@ class KFACPreconditioner:
         common = functools.reduce(torch.promote_types, (v.dtype for v in summed))
         values = torch.stack([v.to(common) for v in summed]).tolist()
         sum_values, trace_values = values[: len(tensors)], values[len(tensors) :]
-        nonzero = dict(zip(names, (t != 0.0 for t in trace_values), strict=True))
+        layer_traces = {name: trace_values[4 * i : 4 * i + 4] for i, name in enumerate(names)}
         finite = all(
             math.isfinite(value) or bool(t.isfinite().all())
             for value, t in zip(sum_values, tensors, strict=True)
@@ -754,8 +757,21 @@ class KFACPreconditioner:
         for name in names:
             # Rows on some rank and a non-zero A (a layer captured nowhere, or
             # fed only zeros, is skipped).
-            if captured[name] and nonzero[name]:
-                by_name[name].block.fold(*reduced[name], decay)
+            if not (captured[name] and layer_traces[name][0] != 0.0):
+                continue
+            if not by_name[name].block.fold_unless_outlier(
+                *reduced[name], decay, layer_traces[name]
+            ):
+                self.telemetry.outlier_factor_updates += 1
+                if name not in self._reported_outliers:
+                    self._reported_outliers.add(name)
+                    warnings.warn(
+                        f"kaisa: layer {name!r}: a batch factor over {OUTLIER_RATIO:g}x its "
+                        "running average (an outlier batch) was not folded; kaisa takes such a "
+                        f"scale in after {OUTLIER_PATIENCE} in a row (reported once per layer)",
+                        RuntimeWarning,
+                        stacklevel=4,  # _update_factors, step, torch's no_grad wrapper, user
+                    )
 
     def _check_idle(self, payloads: Mapping[str, Mapping[PayloadKey, tuple[Any, float]]]) -> None:
         """Layers that captured nothing this factor-update step (rows are equal on every rank).

@@ -51,6 +51,7 @@ class Telemetry:
         last_step_elements: ``elements`` of the most recent ``step()`` only.
         steps: ``step()`` calls counted.
         skipped_factor_updates: factor updates dropped because of NaN/Inf.
+        outlier_factor_updates: layer factor updates refused as outlier batches.
         failed_decompositions: decompositions that failed (state kept).
         kl_clipped_steps: steps at which KL clipping shrank the update (``ν < 1``).
         last_kl_scale: ``ν`` of the most recent step (1.0 without clipping).
@@ -69,6 +70,7 @@ class Telemetry:
         self._step_elements: defaultdict[str, int] = defaultdict(int)
         self.steps = 0
         self.skipped_factor_updates = 0
+        self.outlier_factor_updates = 0
         self.failed_decompositions = 0
         self.kl_clipped_steps = 0
         self.last_kl_scale = 1.0
@@ -118,6 +120,7 @@ class Telemetry:
             "calls": dict(self.calls),
             "last_step_elements": dict(self.last_step_elements),
             "skipped_factor_updates": self.skipped_factor_updates,
+            "outlier_factor_updates": self.outlier_factor_updates,
             "failed_decompositions": self.failed_decompositions,
             "kl_clipped_steps": self.kl_clipped_steps,
             "last_kl_scale": self.last_kl_scale,

@@ -518,3 +518,40 @@ def test_a_deep_copy_of_the_model_does_not_capture_into_the_preconditioner() -> 
     F.cross_entropy(twin(x.float()), y).backward()
     assert pre.memory_usage()["captures"] == 0
     assert all(layer.micro_batches == 0 for layer in pre.layers)
+
+
+def test_an_outlier_batch_is_not_folded_and_a_lasting_scale_is_taken_in() -> None:
+    from kaisa.curvature.block import OUTLIER_PATIENCE
+
+    model = Net().double()
+    pre = kaisa.KFACPreconditioner(
+        model, factor_update_steps=1, inv_update_steps=1, curvature="exact", inv_dtype=D
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def step(scale: float, seed: int) -> None:
+        x, y = data(seed=seed)
+        opt.zero_grad()
+        F.cross_entropy(model(x * scale), y).backward()
+        pre.step()
+        opt.step()
+
+    for seed in range(3):
+        step(1.0, seed)
+    conv = pre.layers[0].block
+    clean = conv.a.diagonal().sum().item()
+    with pytest.warns(RuntimeWarning, match="outlier batch"):
+        step(1e6, 10)  # one batch of inputs x 1e6
+    assert conv.a.diagonal().sum().item() == pytest.approx(clean)
+    assert pre.telemetry.outlier_factor_updates >= 1
+    step(1.0, 11)
+    assert conv.a.diagonal().sum().item() < 10 * clean  # the spike never entered
+    # A lasting change of scale: refused OUTLIER_PATIENCE times, then taken in.
+    for k in range(OUTLIER_PATIENCE):
+        step(1e3, 20 + k)
+        assert conv.a.diagonal().sum().item() < 10 * clean
+    step(1e3, 30)
+    assert conv.a.diagonal().sum().item() > 1e3 * clean
+    assert conv.outliers == 0
+    state = pre.state_dict()
+    assert state["layers"][pre.layers[0].name]["outliers"] == 0

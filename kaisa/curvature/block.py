@@ -56,6 +56,25 @@ def effective_decay(decay: float, updates: int, init: FactorInit) -> float:
     return min(decay, updates / (updates + 1))
 
 
+#: A batch factor whose trace exceeds this multiple of its running average's
+#: (after the first update) is an outlier batch: not folded, unless outliers
+#: keep coming (see :data:`OUTLIER_PATIENCE`).
+OUTLIER_RATIO = 1e3
+#: After this many consecutive refused updates of a layer the next one is
+#: folded whatever its size: the data's scale has changed, not spiked.
+OUTLIER_PATIENCE = 3
+
+
+def factor_trace(factor: torch.Tensor, capture: str) -> torch.Tensor:
+    """The trace of a factor held as a gram (``n × n``) or as row moments (``2 × n``)."""
+    return factor.diagonal().sum() if capture == "gram" else factor[1].sum()
+
+
+def is_outlier(batch_trace: float, running_trace: float) -> bool:
+    """Whether a batch factor is an outlier against its running average (:data:`OUTLIER_RATIO`)."""
+    return running_trace > 0.0 and batch_trace > OUTLIER_RATIO * running_trace
+
+
 class KroneckerBlock:
     """The ``A`` side (``a_size``) and ``G`` side (``g_size``) of one layer.
 
@@ -99,6 +118,8 @@ class KroneckerBlock:
         self.factor_init: FactorInit = factor_init
         #: Factor updates folded in so far (drives ``factor_init='first_batch'``).
         self.updates = 0
+        #: Consecutive outlier batches refused (see :meth:`fold_unless_outlier`).
+        self.outliers = 0
         self.a_size = a_size
         self.g_size = g_size
         self.method: ComputeMethod = method
@@ -146,6 +167,36 @@ class KroneckerBlock:
         self.sides["a"].fold(a_batch, decay)
         self.sides["g"].fold(g_batch, decay)
         self.updates += 1
+
+    def traces(self, a_batch: torch.Tensor, g_batch: torch.Tensor) -> list[torch.Tensor]:
+        """``[tr A_batch, tr G_batch, tr A, tr G]`` (0-d tensors; read them in one sync)."""
+        (a_spec, g_spec), sides = self.specs, self.sides
+        return [
+            factor_trace(a_batch, a_spec.capture),
+            factor_trace(g_batch, g_spec.capture),
+            factor_trace(sides["a"].factor, a_spec.capture),
+            factor_trace(sides["g"].factor, g_spec.capture),
+        ]
+
+    def fold_unless_outlier(
+        self, a_batch: torch.Tensor, g_batch: torch.Tensor, decay: float, traces: list[float]
+    ) -> bool:
+        """:meth:`fold`, unless the batch is an outlier (``traces`` from :meth:`traces`).
+
+        After the first update, a batch whose ``A`` or ``G`` trace exceeds
+        :data:`OUTLIER_RATIO` times the running average's is refused (``False``)
+        — one batch of inputs ×1e6 would otherwise dominate the average for
+        hundreds of updates — unless :data:`OUTLIER_PATIENCE` updates in a row
+        were refused: a lasting change of scale is then taken in.
+        """
+        a_batch_trace, g_batch_trace, a_trace, g_trace = traces
+        spike = is_outlier(a_batch_trace, a_trace) or is_outlier(g_batch_trace, g_trace)
+        if spike and self.updates > 0 and self.outliers < OUTLIER_PATIENCE:
+            self.outliers += 1
+            return False
+        self.outliers = 0
+        self.fold(a_batch, g_batch, decay)
+        return True
 
     def factor(self, which: Factor) -> torch.Tensor:
         return self.sides[which].factor
@@ -255,6 +306,7 @@ class KroneckerBlock:
             "a": self.a.clone(),
             "g": self.g.clone(),
             "updates": self.updates,
+            "outliers": self.outliers,
             "representation": [str(spec) for spec in self.specs],
         }
         if self.has_second_order:
@@ -306,6 +358,7 @@ class KroneckerBlock:
         self.a.copy_(checked.a)
         self.g.copy_(checked.g)
         self.updates = checked.updates
+        self.outliers = checked.outliers
         if second_order and checked.second_order is not None:
             self.allocate_second_order()
             for which, tensors in checked.second_order.items():
@@ -328,7 +381,16 @@ class KroneckerBlock:
 
 # -- checkpoints: what a block's state dict must hold ------------------------------------
 
-_BLOCK_KEYS = ("a", "g", "updates", "representation", "second_order", "outer_inverse", "warm_start")
+_BLOCK_KEYS = (
+    "a",
+    "g",
+    "updates",
+    "outliers",
+    "representation",
+    "second_order",
+    "outer_inverse",
+    "warm_start",
+)
 _REQUIRED_BLOCK_KEYS = ("a", "g", "updates", "representation")
 #: Keys that only checkpoints written before representations hold (ignored).
 _LEGACY_BLOCK_KEYS = ("outer_damping",)
@@ -380,6 +442,7 @@ class CheckedBlockState:
     a: torch.Tensor
     g: torch.Tensor
     updates: int
+    outliers: int
     saved_second_order: bool
     second_order: dict[Factor, list[torch.Tensor]] | None
     outer_inverse: torch.Tensor | None
@@ -436,7 +499,7 @@ def check_block_state(
 ) -> CheckedBlockState:
     """Check a block's state dict against ``layout`` completely, changing nothing.
 
-    Keys, representations, factor shapes and dtypes, ``updates``, every
+    Keys, representations, factor shapes and dtypes, ``updates`` and ``outliers``, every
     second-order tensor's count and shape (for its side's representation and
     compute method), the eigenvalue outer product, the low-rank warm-start
     basis, and that every tensor is finite. Raises ``TypeError`` (wrong kind)
@@ -482,6 +545,7 @@ def check_block_state(
     a = check_tensor(state["a"], f"{where}: factor A", shapes["a"][0], device, layout.factor_dtype)
     g = check_tensor(state["g"], f"{where}: factor G", shapes["g"][0], device, layout.factor_dtype)
     updates = check_count(state.get("updates", 0), f"{where}: state dict 'updates'")
+    outliers = check_count(state.get("outliers", 0), f"{where}: state dict 'outliers'")
 
     loaded: dict[Factor, list[torch.Tensor]] | None = None
     has_second = "second_order" in state
@@ -576,4 +640,4 @@ def check_block_state(
             )
     if not second_order:
         loaded, outer = None, None
-    return CheckedBlockState(a, g, updates, has_second, loaded, outer, warm)
+    return CheckedBlockState(a, g, updates, outliers, has_second, loaded, outer, warm)
