@@ -307,6 +307,23 @@ class KFACOptions:
                 self.hyper["factor_decay"].rule, auto_decay(interval)
             )
 
+    def scaler_still_scaled(self) -> bool:
+        """A ``torch.amp.GradScaler`` that is on and has unscaled no optimizer this iteration.
+
+        ``GradScaler.unscale_(optimizer)`` marks that optimizer unscaled until
+        ``update()``; a ``step()`` of kaisa before it sees gradients still
+        multiplied by the loss scale. ``False`` when it cannot be told (a
+        callable scale, another scaler type).
+        """
+        scaler = self.grad_scaler
+        states = getattr(scaler, "_per_optimizer_states", None)
+        is_enabled = getattr(scaler, "is_enabled", None)
+        if not isinstance(states, Mapping) or not callable(is_enabled) or not is_enabled():
+            return False
+        return not any(
+            getattr(state.get("stage"), "name", "") == "UNSCALED" for state in states.values()
+        )
+
     def grad_scale_reader(self) -> GradScale | None:
         """A function returning the current loss scale, or ``None`` without a scaler."""
         scaler = self.grad_scaler

@@ -396,6 +396,7 @@ class KFACPreconditioner:
         ]
         self._reported_idle: set[str] = set()
         self._reported_outliers: set[str] = set()
+        self._warned_scaled = False
         self._steps = 0
         self._peak_capture_bytes = 0
         self._capture_this_step = self._is_factor_step()
@@ -663,6 +664,16 @@ class KFACPreconditioner:
         # they were.
         for hyper in self.options.hyper.values():
             hyper.at(self._steps)
+        if not self._warned_scaled and self.options.scaler_still_scaled():
+            self._warned_scaled = True
+            warnings.warn(
+                "kaisa: the grad_scaler has unscaled no optimizer's gradients this iteration: "
+                "call scaler.unscale_(optimizer) before preconditioner.step() (KL clipping on "
+                "gradients still multiplied by the loss scale shrinks every step to nearly "
+                "nothing); reported once",
+                RuntimeWarning,
+                stacklevel=3,  # step, torch's no_grad wrapper, user
+            )
         held = sum(layer.capture_bytes() for layer in self.layers)
         self._peak_capture_bytes = max(self._peak_capture_bytes, held)
         try:

@@ -555,3 +555,28 @@ def test_an_outlier_batch_is_not_folded_and_a_lasting_scale_is_taken_in() -> Non
     assert conv.outliers == 0
     state = pre.state_dict()
     assert state["layers"][pre.layers[0].name]["outliers"] == 0
+
+
+def test_a_forgotten_unscale_is_reported_once() -> None:
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    pre = kaisa.KFACPreconditioner(model, grad_scaler=scaler)
+    x, y = data()
+
+    def iteration(unscale: bool) -> None:
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(model(x.float()), y)).backward()
+        if unscale:
+            scaler.unscale_(opt)
+        pre.step()
+        scaler.step(opt)
+        scaler.update()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        iteration(unscale=True)  # the documented order: silent
+    with pytest.warns(RuntimeWarning, match=r"call scaler.unscale_\(optimizer\)") as caught:
+        iteration(unscale=False)
+        iteration(unscale=False)
+    assert sum("unscale_" in str(w.message) for w in caught) == 1
