@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-_USAGE = """usage: kaisa {demo,plan} [options]
+_USAGE = """usage: kaisa {demo,plan} [options] | kaisa --version
 
   demo   benchmark suite: optimizers with and without KAISA, time to a target accuracy
   plan   print the KAISA work plan and cost model for a model and a world size
@@ -24,6 +24,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_USAGE)
         return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        from kaisa import __version__
+
+        print(f"kaisa {__version__}")
+        return 0
     command, rest = args[0], args[1:]
     if command == "demo":
         from kaisa.demo.cli import main as demo_main

@@ -1244,7 +1244,9 @@ class KFACPreconditioner:
 
     def __repr__(self) -> str:
         hyper = ", ".join(repr(h) for h in self.options.hyper.values())
+        if "kl_clip" not in self.options.hyper:
+            hyper += ", kl_clip=None"
         return (
             f"KFACPreconditioner({len(self.layers)} layers, world_size={self.world_size}, "
-            f"grad_workers={self.plan.grad_workers}, {hyper}, kl_clip={self.options.kl_clip!r})"
+            f"grad_workers={self.plan.grad_workers}, {hyper})"
         )

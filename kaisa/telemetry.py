@@ -110,6 +110,17 @@ class Telemetry:
         self._step_elements.clear()
         self.steps += 1
 
+    def __repr__(self) -> str:
+        phases = ", ".join(f"{k} {v:.3f}s" for k, v in self.phase_seconds.items() if v)
+        sent = sum(self.bytes.values())
+        return (
+            f"Telemetry(steps={self.steps}, phases=[{phases}], bytes={sent}, "
+            f"skipped_factor_updates={self.skipped_factor_updates}, "
+            f"outlier_factor_updates={self.outlier_factor_updates}, "
+            f"failed_decompositions={self.failed_decompositions}, "
+            f"kl_clipped_steps={self.kl_clipped_steps})"
+        )
+
     def summary(self) -> dict[str, object]:
         """A JSON-friendly snapshot of every counter."""
         return {

@@ -211,3 +211,21 @@ def test_telemetry_records_kl_clipping(kappa: float | None, clipped: bool) -> No
         assert scale == 1.0
     assert pre.telemetry.summary()["kl_clipped_steps"] == pre.telemetry.kl_clipped_steps
     assert not torch.equal(model[2].weight.grad, raw)
+
+
+def test_reprs_name_each_hyperparameter_once_and_telemetry_prints_its_counters() -> None:
+    import kaisa as k
+
+    pre = k.KFACPreconditioner(nn.Linear(3, 3))
+    assert repr(pre).count("kl_clip=") == 1 and "kl_clip=0.003" in repr(pre)
+    assert repr(k.KFACPreconditioner(nn.Linear(3, 3), kl_clip=None)).count("kl_clip=None") == 1
+    text = repr(pre.telemetry)
+    assert text.startswith("Telemetry(steps=0") and "outlier_factor_updates=0" in text
+
+
+def test_the_command_prints_its_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from kaisa import __version__
+    from kaisa.cli import main
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"kaisa {__version__}"
