@@ -211,7 +211,7 @@ class KFACPreconditioner:
         inv_dtype: dtype of the second-order state (default float32; ``None``
             follows the factors).
         skip_layers: regular expressions; a module whose name or class name
-            matches one is not registered.
+            matches one is not registered, nor is anything inside it.
         update_factors_in_hook: compute factor products inside the hooks (so the
             all-reduce overlaps the backward pass) rather than in ``step()``.
         conv_factor_estimator: 'expand' (spec §3, every patch is a row) or

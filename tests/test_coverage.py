@@ -61,7 +61,9 @@ def test_coverage_lists_every_trainable_parameter_with_its_treatment() -> None:
     assert in_proj.blocks == tuple(f"encoder.layers.0.self_attn.{r}" for r in "qkv")
     assert "normalisation" in by_name["norm.weight"].reason
     assert "normalisation" in by_name["encoder.layers.0.norm1.bias"].reason
-    assert by_name["encoder.layers.0.linear2.weight"].reason == "skip_layers matched 'linear2'"
+    assert by_name["encoder.layers.0.linear2.weight"].reason == (
+        "skip_layers matched 'linear2' (on 'encoder.layers.0.linear2')"
+    )
     assert by_name["head.weight"].reason == "its layer's other parameter is frozen"
     assert "head.bias" not in by_name  # frozen: not trainable
     table = str(coverage)
@@ -102,3 +104,18 @@ def test_a_grouped_conv1d_is_skipped_with_a_warning() -> None:
     with pytest.warns(UserWarning, match="groups=2"):
         pre = kaisa.KFACPreconditioner(model)
     assert [layer.name for layer in pre.layers] == ["2"]
+
+
+def test_skip_layers_on_a_container_leaves_everything_inside_it_raw() -> None:
+    """The reference implementation's issue #53: skipping 'Block' registered its children."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    model.head.weight = nn.Parameter(torch.randn(11, 8))
+    pre = kaisa.KFACPreconditioner(model, skip_layers=["TransformerEncoderLayer"])
+    assert [layer.name for layer in pre.layers] == ["embed", "head"]
+    raw = {t.parameter: t.reason for t in pre.coverage().raw()}
+    inside = [n for n, _ in model.named_parameters() if n.startswith("encoder.layers.0.")]
+    assert inside and all(
+        raw[n] == "skip_layers matched 'TransformerEncoderLayer' (on 'encoder.layers.0')"
+        for n in inside
+    )

@@ -140,8 +140,9 @@ def _why_unhandled(module: nn.Module) -> str:
 def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object) -> Survey:
     """Every layer of ``model`` that kaisa preconditions, and how each parameter is treated.
 
-    A module is left out when its name or class name matches one of the
-    ``skip_layers`` regular expressions (``re.search``), when one of its
+    A module is left out, with everything inside it, when its name or class
+    name matches one of the ``skip_layers`` regular expressions
+    (``re.search``); a module is also left out when one of its
     handled parameters does not require a gradient, or when no handler
     supports it. A module that appears twice in the tree (one layer called by
     two parents) is registered once and gathers curvature from every call. A
@@ -171,8 +172,14 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
         direct = list(module.parameters(recurse=False))
         matched = next((p for p in patterns if p.search(name) or p.search(class_name)), None)
         if matched is not None:
-            for param in direct:
-                raw.setdefault(id(param), f"skip_layers matched {matched.pattern!r}")
+            # The whole subtree: skip_layers=['Block'] leaves a Block's layers raw.
+            reason = f"skip_layers matched {matched.pattern!r}"
+            if name:
+                reason += f" (on {label!r})"
+            for sub in module.modules():
+                seen.add(id(sub))
+                for param in sub.parameters(recurse=False):
+                    raw.setdefault(id(param), reason)
             continue
         if not direct:
             continue
