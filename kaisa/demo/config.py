@@ -115,7 +115,7 @@ WORKLOADS: dict[str, Workload] = {
 """The workload table: edit the target and epoch budget here (``--target`` and
 ``--epochs`` override them for every selected workload)."""
 
-DEFAULT_WORKLOADS: tuple[str, ...] = ("gap_cnn", "small_cnn")
+DEFAULT_WORKLOADS: tuple[str, ...] = ("gap_cnn", "small_cnn", "vit")
 """The workloads ``kaisa demo`` runs without ``--workload``.
 
 ResNet-20 is not among them yet: an SGD step of it took 198–346 ms in
