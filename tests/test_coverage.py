@@ -119,3 +119,28 @@ def test_skip_layers_on_a_container_leaves_everything_inside_it_raw() -> None:
         raw[n] == "skip_layers matched 'TransformerEncoderLayer' (on 'encoder.layers.0')"
         for n in inside
     )
+
+
+def test_every_weight_matrix_of_a_standard_transformer_is_preconditioned() -> None:
+    """An untied language model from nn.Embedding and nn.TransformerEncoder."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    model.head.weight = nn.Parameter(torch.randn(11, 8))
+    pre = kaisa.KFACPreconditioner(model)
+    coverage = pre.coverage()
+    matrices = {n for n, p in model.named_parameters() if p.ndim >= 2}
+    assert matrices == {
+        "embed.weight",
+        "encoder.layers.0.self_attn.in_proj_weight",
+        "encoder.layers.0.self_attn.out_proj.weight",
+        "encoder.layers.0.linear1.weight",
+        "encoder.layers.0.linear2.weight",
+        "head.weight",
+    }
+    assert all(t.kind != "raw" for t in coverage if t.parameter in matrices)
+    # Only the norms' scale-and-shift parameters are left raw, each with its reason.
+    assert {t.parameter for t in coverage.raw()} == {
+        f"{norm}.{p}"
+        for norm in ("encoder.layers.0.norm1", "encoder.layers.0.norm2", "norm")
+        for p in ("weight", "bias")
+    }

@@ -150,11 +150,12 @@ def _parser() -> _Parser:
     )
     p.add_argument(
         "--curvature",
-        default="exact",
+        default=None,
         metavar="SPEC",
         help="how every layer's factors are held: exact, lowrank:K, kvec or diagonal, or a "
         "pair A,G such as lowrank:64,exact (a rank above a factor's side is cut to the side); "
-        "a training run chooses per layer with curvature='auto' (default: exact)",
+        "a training run chooses per layer with curvature='auto' (default: exact, except a "
+        "side the layer kind fixes, such as an embedding's diagonal A)",
     )
     p.add_argument("--factor-update-steps", type=int, default=10, metavar="K")
     p.add_argument("--inv-update-steps", type=int, default=100, metavar="K")
@@ -239,8 +240,13 @@ def _plan_json(plan: WorkPlan) -> dict[str, object]:
     }
 
 
-def _with_curvature(shapes: list[LayerShape], text: str) -> list[LayerShape]:
-    """``shapes`` with ``--curvature``'s representations (a low rank capped at each side)."""
+def _with_curvature(shapes: list[LayerShape], text: str | None) -> list[LayerShape]:
+    """``shapes`` with ``--curvature``'s representations (a low rank capped at each side).
+
+    Without ``--curvature`` the shapes keep theirs (exact, or their layer kind's).
+    """
+    if text is None:
+        return shapes
     parts = [part.strip() for part in text.split(",")]
     if len(parts) not in (1, 2):
         raise _UsageError(f"argument --curvature: one representation or a pair A,G; got {text!r}")

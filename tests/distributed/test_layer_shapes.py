@@ -110,3 +110,21 @@ def test_module_layer_shapes_of_resnet20() -> None:
     assert weight_and_bias_elements(layers) + batchnorm == sum(
         p.numel() for p in model.parameters()
     )
+
+
+def test_transformer_layer_kinds_are_counted_with_their_sizes() -> None:
+    """Attention as four blocks, an embedding with its diagonal A (issue 16, item 8)."""
+    from kaisa.models import ViT
+
+    model = nn.Sequential(nn.Embedding(50, 8), nn.MultiheadAttention(8, 2, kdim=4, vdim=6))
+    shapes = module_layer_shapes(model)
+    assert shapes == [
+        LayerShape("0", 50, 8, "diagonal", "exact"),
+        LayerShape("1.q", 9, 8),
+        LayerShape("1.k", 5, 8),
+        LayerShape("1.v", 7, 8),
+        LayerShape("1.out_proj", 9, 8),
+    ]
+    vit = [s.name for s in module_layer_shapes(ViT())]
+    assert vit[0] == "patch_embed" and vit[-1] == "head"
+    assert "encoder.layers.1.self_attn.v" in vit and len(vit) == 2 + 2 * 6

@@ -83,3 +83,15 @@ def test_cli_refuses_a_bad_curvature(
     assert main(["--model", "small_cnn", "--world-size", "2", "--curvature", value]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kaisa plan: error: argument --curvature:") and message in err
+
+
+def test_cli_keeps_a_layer_kinds_own_side_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """The embedding's A is diagonal in a training run, and so in the plan."""
+    argv = ["--model", "transformer", "--world-size", "2", "--json", "--show-plan"]
+    assert main(argv) == 0
+    layers = {la["name"]: la for la in json.loads(capsys.readouterr().out)["plan"]["layers"]}
+    assert (layers["embed"]["a_spec"], layers["embed"]["g_spec"]) == ("diagonal", "exact")
+    assert (layers["head"]["a_spec"], layers["head"]["g_spec"]) == ("exact", "exact")
+    assert main([*argv, "--curvature", "exact"]) == 0
+    layers = {la["name"]: la for la in json.loads(capsys.readouterr().out)["plan"]["layers"]}
+    assert layers["embed"]["a_spec"] == "exact"  # asked for explicitly
