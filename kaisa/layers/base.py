@@ -255,3 +255,15 @@ def add_ones_border(out: torch.Tensor, col_sum: torch.Tensor, count: int, scale:
     out[:d, d].add_(col_sum, alpha=scale)
     out[d, :d].add_(col_sum, alpha=scale)
     out[d, d].add_(count * scale)
+
+
+def last_dim_gram(t: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """``RᵀR`` of ``t``'s rows over every leading dimension (into ``out``), and the row count."""
+    rows = t.reshape(-1, t.shape[-1])
+    return gram(rows, out), rows.shape[0]
+
+
+def last_dim_moments(t: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """``[Σ r; Σ r²]`` of ``t``'s rows over every leading dimension, and the row count."""
+    rows = t.reshape(-1, t.shape[-1])
+    return row_moments(rows, out), rows.shape[0]

@@ -689,15 +689,6 @@ class Conv2dHandler(_ConvHandler):
     module: nn.Conv2d
     _module_type = nn.Conv2d
 
-    def __init__(
-        self,
-        module: nn.Conv2d,
-        max_patch_bytes: int = DEFAULT_MAX_PATCH_BYTES,
-        estimator: ConvEstimator = "expand",
-        max_shift_bytes: int = DEFAULT_MAX_SHIFT_BYTES,
-    ) -> None:
-        super().__init__(module, max_patch_bytes, estimator, max_shift_bytes)
-
     def _batched(self, t: torch.Tensor) -> torch.Tensor:
         return t.unsqueeze(0) if t.dim() == 3 else t
 
@@ -717,15 +708,6 @@ class Conv1dHandler(_ConvHandler):
 
     module: nn.Conv1d
     _module_type = nn.Conv1d
-
-    def __init__(
-        self,
-        module: nn.Conv1d,
-        max_patch_bytes: int = DEFAULT_MAX_PATCH_BYTES,
-        estimator: ConvEstimator = "expand",
-        max_shift_bytes: int = DEFAULT_MAX_SHIFT_BYTES,
-    ) -> None:
-        super().__init__(module, max_patch_bytes, estimator, max_shift_bytes)
 
     def _batched(self, t: torch.Tensor) -> torch.Tensor:
         if t.dim() == 4:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kaisa.layers.base import LayerHandler, accumulator_dtype, gram, row_moments
+from kaisa.layers.base import LayerHandler, accumulator_dtype, last_dim_gram, last_dim_moments
 
 
 class EmbeddingHandler(LayerHandler):
@@ -60,8 +60,7 @@ class EmbeddingHandler(LayerHandler):
     def g_sum(
         self, grad_output: torch.Tensor, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, int]:
-        rows = grad_output.reshape(-1, grad_output.shape[-1])
-        return gram(rows, out), rows.shape[0]
+        return last_dim_gram(grad_output, out)
 
     def a_moments(
         self, x: torch.Tensor, out: torch.Tensor | None = None
@@ -77,9 +76,7 @@ class EmbeddingHandler(LayerHandler):
     def g_moments(
         self, grad_output: torch.Tensor, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, int]:
-        rows = grad_output.reshape(-1, grad_output.shape[-1])
-        rows = rows.to(accumulator_dtype(rows))
-        return row_moments(rows, out), rows.shape[0]
+        return last_dim_moments(grad_output, out)
 
     def capture_work(self, which: str, capture: str, rows: float) -> float:
         if which == "a":

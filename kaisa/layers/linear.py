@@ -5,7 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kaisa.layers.base import LayerHandler, gram, gram_with_ones, row_moments
+from kaisa.layers.base import (
+    LayerHandler,
+    gram,
+    gram_with_ones,
+    last_dim_gram,
+    last_dim_moments,
+    row_moments,
+)
 
 
 class LinearHandler(LayerHandler):
@@ -32,8 +39,7 @@ class LinearHandler(LayerHandler):
     def g_sum(
         self, grad_output: torch.Tensor, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, int]:
-        rows = grad_output.reshape(-1, grad_output.shape[-1])
-        return gram(rows, out), rows.shape[0]
+        return last_dim_gram(grad_output, out)
 
     def a_moments(
         self, x: torch.Tensor, out: torch.Tensor | None = None
@@ -44,5 +50,4 @@ class LinearHandler(LayerHandler):
     def g_moments(
         self, grad_output: torch.Tensor, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, int]:
-        rows = grad_output.reshape(-1, grad_output.shape[-1])
-        return row_moments(rows, out), rows.shape[0]
+        return last_dim_moments(grad_output, out)
