@@ -575,7 +575,7 @@ def test_quick_preset_and_explicit_options() -> None:
     assert [a.name for a in w.arms] == ["sgd"] and w.target_accuracy == 0.8
     assert w.model == "small_cnn" and w.epochs == 1
     full = _suite()
-    assert [c.name for c in full.workloads] == ["gap_cnn", "small_cnn"]
+    assert [c.name for c in full.workloads] == ["gap_cnn", "small_cnn", "vit"]
     assert all(len(c.arms) == len(ARM_NAMES) and c.seeds == (0, 1, 2) for c in full.workloads)
 
 

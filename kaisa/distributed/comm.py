@@ -18,6 +18,8 @@ not capture holds back the later buckets there until ``reduced_factors``).
 
 from __future__ import annotations
 
+import datetime
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -89,6 +91,33 @@ def packed_numel(n: int, symmetric: bool) -> int:
 def payload_numel(capture: Capture, n: int, symmetric: bool) -> int:
     """Elements one payload piece sends (triangles only for a symmetric gram)."""
     return 2 * n if capture == "moments" else packed_numel(n, symmetric)
+
+
+#: The environment variable holding the timeout of kaisa's collectives, in seconds.
+TIMEOUT_ENV = "KAISA_COLLECTIVE_TIMEOUT_S"
+#: The timeout when :data:`TIMEOUT_ENV` is not set: NCCL's own default, 10 minutes.
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective of ``step()`` timed out: a peer has not reached ``step()``.
+
+    After it the job should end: the backend has given up on the peer.
+    """
+
+
+def collective_timeout() -> float:
+    """The timeout of kaisa's collectives from :data:`TIMEOUT_ENV` (default 600 s)."""
+    text = os.environ.get(TIMEOUT_ENV)
+    if text is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0; got {text!r}")
+    return value
 
 
 @dataclass
@@ -174,24 +203,43 @@ class Communicator:
     def _make_groups(self) -> None:
         plan = self.plan
         m, cols, n = plan.grad_workers, plan.num_columns, plan.world_size
-        # Every rank creates every group, in the same order.
-        self.allreduce_group = dist.new_group(list(range(n)))
+        self.timeout_s = collective_timeout()
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        # Every rank creates every group, in the same order. kaisa's own groups
+        # (the whole world included) carry kaisa's timeout, so that a peer that
+        # never reaches step() is an error after minutes, not the default
+        # group's 30 (gloo).
+        self.allreduce_group = dist.new_group(list(range(n)), timeout=timeout)
         for c in range(cols):
             ranks = plan.column_ranks(c)
             if m == n:
-                self.column_groups[c] = dist.group.WORLD
+                self.column_groups[c] = self.allreduce_group
             elif m > 1:
-                group = dist.new_group(list(ranks))
+                group = dist.new_group(list(ranks), timeout=timeout)
                 if self.rank in ranks:
                     self.column_groups[c] = group
         for r in range(m):
             ranks = plan.row_ranks(r)
             if cols == n:
-                self.row_groups[r] = dist.group.WORLD
+                self.row_groups[r] = self.allreduce_group
             elif cols > 1:
-                group = dist.new_group(list(ranks))
+                group = dist.new_group(list(ranks), timeout=timeout)
                 if self.rank in ranks:
                     self.row_groups[r] = group
+
+    def _wait(self, work: Work, what: str) -> None:
+        """``work.wait()``, a timeout turned into :class:`CollectiveTimeoutError`."""
+        try:
+            work.wait()
+        except RuntimeError as error:
+            if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
+                raise
+            raise CollectiveTimeoutError(
+                f"kaisa: rank {self.rank}: the {what} of preconditioner.step() did not "
+                f"complete within {self.timeout_s:g} s ({TIMEOUT_ENV}): a peer has not "
+                "reached step() — every rank must call it at every step, with the same "
+                "registered layers"
+            ) from error
 
     # -- factor all-reduce -------------------------------------------------------
     def _make_buckets(self, cap_mb: float) -> list[_Bucket]:
@@ -309,7 +357,7 @@ class Communicator:
         with self.telemetry.timer("factor_allreduce"):
             for bucket in self._buckets:
                 assert bucket.work is not None
-                bucket.work.wait()
+                self._wait(bucket.work, "factor all-reduce")
         for bucket in self._buckets:
             result.update(self._unpack(bucket))
             bucket.ready, bucket.work, bucket.buffer = {}, None, None
@@ -351,7 +399,9 @@ class Communicator:
         if not self.distributed or not flags:
             return list(flags)
         tensor = torch.tensor([1.0 if f else 0.0 for f in flags], device=self.device)
-        dist.all_reduce(tensor, group=self.allreduce_group)
+        work = dist.all_reduce(tensor, group=self.allreduce_group, async_op=True)
+        assert work is not None
+        self._wait(work, "layer agreement")
         self.telemetry.count("layer_flags", tensor)
         return [value > 0 for value in tensor.tolist()]
 
@@ -374,7 +424,7 @@ class Communicator:
                     works.append(_broadcast(tensor, src, group))
                     self.telemetry.count("inverse_broadcast", tensor)
             for work in works:
-                work.wait()
+                self._wait(work, "decomposition broadcast")
 
     def broadcast_gradients(self, items: Sequence[tuple[int, torch.Tensor]]) -> None:
         """Broadcast preconditioned gradients inside this rank's row.
@@ -393,7 +443,7 @@ class Communicator:
                 works.append(_broadcast(tensor, src, group))
                 self.telemetry.count("grad_broadcast", tensor)
             for work in works:
-                work.wait()
+                self._wait(work, "gradient broadcast")
 
 
 def _broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> Work:

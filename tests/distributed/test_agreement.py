@@ -213,3 +213,48 @@ def test_timeout_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KAISA_AGREEMENT_TIMEOUT_S", "soon")
     with pytest.raises(ValueError, match="KAISA_AGREEMENT_TIMEOUT_S"):
         agreement_timeout()
+
+
+def _silent_peer(rank: int, world_size: int) -> tuple[str, float] | str:
+    import os
+    import time
+
+    from kaisa.distributed.comm import CollectiveTimeoutError
+
+    os.environ["KAISA_COLLECTIVE_TIMEOUT_S"] = "2"
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    pre = kaisa.KFACPreconditioner(model, factor_update_steps=1)
+    model(torch.randn(3, 4)).sum().backward()
+    if rank == 1:
+        time.sleep(8.0)  # alive, but never calls step()
+        return "silent"
+    start = time.monotonic()
+    try:
+        pre.step()
+    except CollectiveTimeoutError as error:
+        return str(error), time.monotonic() - start
+    return "step() returned"
+
+
+def test_a_silent_peer_is_an_error_after_kaisas_timeout_not_a_hang() -> None:
+    """A rank alive but never in step(): the others fail within KAISA_COLLECTIVE_TIMEOUT_S."""
+    first, second = run_distributed(_silent_peer, 2, timeout=60)
+    assert second == "silent"
+    assert isinstance(first, tuple), first
+    message, seconds = first
+    assert "a peer has not reached step()" in message and "KAISA_COLLECTIVE_TIMEOUT_S" in message
+    assert 1.5 < seconds < 7.0  # the 2 s timeout, not the process group's 30 minutes
+
+
+def test_collective_timeout_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kaisa.distributed.comm import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, collective_timeout
+
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    assert collective_timeout() == DEFAULT_TIMEOUT_S == 600.0
+    monkeypatch.setenv(TIMEOUT_ENV, "12.5")
+    assert collective_timeout() == 12.5
+    for bad in ("0", "-3", "soon", "inf", "nan"):
+        monkeypatch.setenv(TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=f"{TIMEOUT_ENV} must be a number of seconds > 0"):
+            collective_timeout()
