@@ -572,8 +572,8 @@ class KFACPreconditioner:
         ):
             return
         if layer.micro_batches >= self.options.accumulation_steps:
-            # A pass beyond accumulation_steps: not in the factors, on any world
-            # size (with several ranks the factors are already on their way).
+            # A pass beyond accumulation_steps: step() refuses it (with several
+            # ranks the factors are already on their way).
             layer.extra_passes += 1
             return
         with self.telemetry.timer("capture"):
@@ -664,6 +664,15 @@ class KFACPreconditioner:
         # they were.
         for hyper in self.options.hyper.values():
             hyper.at(self._steps)
+        extra = max(layer.extra_passes for layer in self.layers)
+        if extra:
+            # With several ranks the factors left in the backward pass that
+            # completed accumulation_steps; later passes cannot reach them.
+            raise RuntimeError(
+                f"kaisa: more forward/backward passes before this step() than "
+                f"accumulation_steps={self.options.accumulation_steps} ({extra} more): set "
+                "accumulation_steps to the number of passes per optimizer step"
+            )
         if not self._warned_scaled and self.options.scaler_still_scaled():
             self._warned_scaled = True
             warnings.warn(
@@ -692,12 +701,12 @@ class KFACPreconditioner:
             self.telemetry.end_step()
 
     def _update_factors(self) -> None:
-        extra = max(layer.extra_passes for layer in self.layers)
-        if extra:
+        passes = max(layer.micro_batches for layer in self.layers)
+        if 0 < passes < self.options.accumulation_steps:
             warnings.warn(
-                f"kaisa: more forward/backward passes this step than accumulation_steps="
-                f"{self.options.accumulation_steps} (at least {extra} more); the passes beyond "
-                "it are not in the factors: set accumulation_steps to the passes per step",
+                f"kaisa: {passes} forward/backward pass(es) before this step() but "
+                f"accumulation_steps={self.options.accumulation_steps}: the factors hold what "
+                "there was; set accumulation_steps to the passes per step",
                 RuntimeWarning,
                 stacklevel=4,  # _update_factors, step, torch's no_grad wrapper, user
             )

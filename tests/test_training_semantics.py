@@ -487,27 +487,34 @@ def test_a_forward_without_backward_leaves_no_trace_in_the_factors() -> None:
 
 
 @pytest.mark.parametrize("in_hook", [True, False])
-def test_passes_beyond_accumulation_steps_are_reported_and_not_folded(in_hook: bool) -> None:
+def test_passes_beyond_accumulation_steps_are_refused(in_hook: bool) -> None:
     model = Net().double()
     pre = kaisa.KFACPreconditioner(
-        model,
-        factor_decay=0.0,
-        curvature="exact",
-        inv_dtype=D,
-        accumulation_steps=1,
-        update_factors_in_hook=in_hook,
+        model, curvature="exact", accumulation_steps=1, update_factors_in_hook=in_hook
     )
     x, y = data(seed=3)
-    x2, y2 = data(seed=4)
-    expected = factors_of_one_pass(model, x, y)
     F.cross_entropy(model(x), y).backward()
-    F.cross_entropy(model(x2), y2).backward()
-    with pytest.warns(RuntimeWarning, match="accumulation_steps=1"):
+    F.cross_entropy(model(x), y).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    factors = [layer.block.a.clone() for layer in pre.layers]
+    with pytest.raises(RuntimeError, match=r"accumulation_steps=1 \(1 more\)"):
         pre.step()
-    # The same rule on every world size: only the first pass is in the factors.
-    for layer, (a, g) in zip(pre.layers, expected, strict=True):
-        torch.testing.assert_close(layer.block.a, a)
-        torch.testing.assert_close(layer.block.g, g)
+    # Refused before anything changed.
+    assert pre.steps == 0
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
+    assert all(torch.equal(a, la.block.a) for a, la in zip(factors, pre.layers, strict=True))
+
+
+def test_fewer_passes_than_accumulation_steps_warn() -> None:
+    model = Net().double()
+    pre = kaisa.KFACPreconditioner(model, accumulation_steps=3)
+    x, y = data(seed=3)
+    F.cross_entropy(model(x), y).backward()
+    with pytest.warns(
+        RuntimeWarning, match=r"1 forward/backward pass\(es\) .* accumulation_steps=3"
+    ):
+        pre.step()
+    assert all(layer.block.updates == 1 for layer in pre.layers)
 
 
 def test_a_deep_copy_of_the_model_does_not_capture_into_the_preconditioner() -> None:

@@ -462,7 +462,7 @@ def runs(world_size: int) -> tuple[list[Config], list[list[torch.Tensor]]]:
     cases = configs(world_size)
     if world_size not in _RUNS:
         _RUNS[world_size] = run_distributed(
-            _worker, world_size, [asdict(c) for c in cases], timeout=120
+            _worker, world_size, [asdict(c) for c in cases], timeout=300
         )
     return cases, _RUNS[world_size]
 
