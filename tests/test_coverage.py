@@ -38,6 +38,7 @@ def test_a_tied_parameter_is_left_raw_with_a_warning_naming_it() -> None:
     assert "encoder.layers.0.self_attn.q" in names
     raw = {t.parameter: t.reason for t in pre.coverage().raw()}
     assert raw["embed.weight"] == "shared by embed, head"
+    assert raw["head.bias"] == "its layer's other parameter is shared by embed, head"
     idx = torch.randint(0, 11, (3, 5))
     F.cross_entropy(model(idx).reshape(-1, 11), idx.reshape(-1)).backward()
     tied = model.embed.weight.grad.clone()

@@ -217,8 +217,13 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
                     "gradient sums every use, so it is left raw rather than preconditioned "
                     "with one use's curvature"
                 )
+                shared_ids = {id(p) for p in shared}
                 for param in params:
-                    raw[id(param)] = f"shared by {', '.join(users)}"
+                    raw[id(param)] = (
+                        f"shared by {', '.join(users)}"
+                        if id(param) in shared_ids
+                        else f"its layer's other parameter is shared by {', '.join(users)}"
+                    )
                 continue
             block = f"{label}.{handler.suffix}" if handler.suffix else label
             found.append((block, handler))
