@@ -255,6 +255,22 @@ def test_a_bias_frozen_after_registration_is_not_moved() -> None:
     assert torch.equal(model.fc.bias, frozen)
 
 
+def test_a_weight_frozen_after_registration_with_a_stale_gradient_is_not_written() -> None:
+    """zero_grad(set_to_none=False) leaves zeros in a weight frozen later: kaisa keeps them."""
+    model = Net()
+    pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
+    x, y = data()
+    F.cross_entropy(model(x.float()), y).backward()
+    pre.step()
+    model.zero_grad(set_to_none=False)
+    model.fc.weight.requires_grad_(False)
+    F.cross_entropy(model(x.float()), y).backward()
+    raw_bias = model.fc.bias.grad.clone()
+    pre.step()
+    assert torch.equal(model.fc.weight.grad, torch.zeros_like(model.fc.weight))
+    assert torch.equal(model.fc.bias.grad, raw_bias)  # its layer is left raw
+
+
 def test_grad_scaler_object_is_read() -> None:
     scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
     model = Net()

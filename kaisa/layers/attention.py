@@ -257,7 +257,7 @@ class AttentionProjectionHandler(LinearHandler):
 
     def grad_matrix(self) -> torch.Tensor | None:
         weight, rows = self._weight_and_rows()
-        if weight.grad is None:
+        if weight.grad is None or not weight.requires_grad:
             return None
         grad = weight.grad[rows]
         bias = self._bias_and_rows()

@@ -155,7 +155,9 @@ class LayerHandler(ABC):
         for the bias column.
         """
         weight = self.weight
-        if weight.grad is None:
+        # A weight frozen after registration keeps whatever .grad it has: kaisa
+        # never writes it (nor its layer's bias, then left raw).
+        if weight.grad is None or not weight.requires_grad:
             return None
         grad = weight.grad.reshape(weight.shape[0], -1)
         if self.has_bias:

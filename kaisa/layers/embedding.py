@@ -89,7 +89,7 @@ class EmbeddingHandler(LayerHandler):
 
     def grad_matrix(self) -> torch.Tensor | None:
         grad = self.weight.grad
-        if grad is None:
+        if grad is None or not self.weight.requires_grad:
             return None
         return grad.t().contiguous()
 
