@@ -213,18 +213,26 @@ def _show(value: object) -> str:
     return json.dumps(value) if isinstance(value, list) else repr(value)
 
 
-def agreement_timeout() -> float:
-    """The arrival timeout from :data:`TIMEOUT_ENV`, in seconds (default 300)."""
-    text = os.environ.get(TIMEOUT_ENV, "").strip()
+def seconds_from_env(name: str, default: float) -> float:
+    """A timeout in seconds from the environment variable ``name`` (``default`` if unset).
+
+    Raises ``ValueError`` naming the variable unless it is a finite number > 0.
+    """
+    text = os.environ.get(name, "").strip()
     if not text:
-        return DEFAULT_TIMEOUT_S
+        return default
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
     if not value > 0 or value == float("inf"):
-        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0; got {text!r}")
+        raise ValueError(f"{name} must be a number of seconds > 0; got {text!r}")
     return value
+
+
+def agreement_timeout() -> float:
+    """The arrival timeout from :data:`TIMEOUT_ENV`, in seconds (default 300)."""
+    return seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
 
 
 def check_agreement(digest: dict[str, object]) -> None:

@@ -19,7 +19,6 @@ not capture holds back the later buckets there until ``reduced_factors``).
 from __future__ import annotations
 
 import datetime
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from kaisa.curvature.costs import Capture, SideSpec
+from kaisa.distributed.agreement import seconds_from_env
 from kaisa.distributed.plan import WorkPlan
 from kaisa.telemetry import Telemetry
 
@@ -108,16 +108,7 @@ class CollectiveTimeoutError(RuntimeError):
 
 def collective_timeout() -> float:
     """The timeout of kaisa's collectives from :data:`TIMEOUT_ENV` (default 600 s)."""
-    text = os.environ.get(TIMEOUT_ENV)
-    if text is None:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0; got {text!r}")
-    return value
+    return seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
 
 
 @dataclass
