@@ -127,14 +127,15 @@ _NORMS = (
 )
 
 
-def _why_unhandled(module: nn.Module) -> str:
+def _why_unhandled(module: nn.Module) -> tuple[str, bool]:
+    """Why a module with parameters is left raw, and whether that deserves a warning."""
     if isinstance(module, _NORMS):
-        return "normalisation layer: affine parameters are left raw (a documented choice)"
+        return "normalisation layer: affine parameters are left raw (a documented choice)", False
     if isinstance(module, (nn.Conv1d, nn.Conv2d)) and module.groups != 1:
-        return f"grouped convolution (groups={module.groups}) is not preconditioned"
+        return f"grouped convolution (groups={module.groups}) is not preconditioned", True
     if isinstance(module, nn.Embedding) and module.sparse:
-        return "sparse embedding (sparse=True): sparse gradients are not preconditioned"
-    return f"no handler for {type(module).__name__}"
+        return "sparse embedding (sparse=True): sparse gradients are not preconditioned", True
+    return f"no handler for {type(module).__name__}", False
 
 
 def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object) -> Survey:
@@ -152,13 +153,11 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
     factories (``conv_estimator='expand'|'reduce'`` for convolutions).
     """
     patterns = [re.compile(p) for p in skip_layers]
-    owners: dict[int, list[str]] = {}
-    module_ids: dict[int, set[int]] = {}
+    # Every module holding each parameter (by id), with its first name.
+    holders: dict[int, dict[int, str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         for param in module.parameters(recurse=False):
-            if id(module) not in module_ids.setdefault(id(param), set()):
-                module_ids[id(param)].add(id(module))
-                owners.setdefault(id(param), []).append(name or type(model).__name__)
+            holders.setdefault(id(param), {}).setdefault(id(module), name or type(model).__name__)
     found: list[tuple[str, LayerHandler]] = []
     raw: dict[int, str] = {}
     messages: list[str] = []
@@ -185,18 +184,12 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
             continue
         made = handler_for(module, **options)
         if made is None:
-            reason = _why_unhandled(module)
+            reason, warn = _why_unhandled(module)
             for param in direct:
                 raw.setdefault(id(param), reason)
-            if isinstance(module, nn.Embedding) and module.sparse:
+            if warn:
                 messages.append(
-                    f"kaisa: skipping {label!r} (Embedding, sparse=True): sparse gradients are "
-                    "not preconditioned; its gradient is left as is (sparse=False preconditions it)"
-                )
-            if isinstance(module, (nn.Conv1d, nn.Conv2d)) and module.groups != 1:
-                messages.append(
-                    f"kaisa: skipping {label!r} ({class_name}, groups={module.groups}): grouped "
-                    "convolutions are not preconditioned; their gradients are left as is"
+                    f"kaisa: skipping {label!r} ({module}): {reason}; its gradients are left as is"
                 )
             continue
         handlers = [made] if isinstance(made, LayerHandler) else list(made)
@@ -209,9 +202,9 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
                 for param in params:
                     raw.setdefault(id(param), "its layer's other parameter is frozen")
                 continue
-            shared = [p for p in params if module_ids[id(p)] - claimed]
+            shared = [p for p in params if holders[id(p)].keys() - claimed]
             if shared:
-                users = sorted({o for p in shared for o in owners[id(p)]})
+                users = sorted({o for p in shared for o in holders[id(p)].values()})
                 messages.append(
                     f"kaisa: {label!r} shares a parameter with {', '.join(map(repr, users))}; its "
                     "gradient sums every use, so it is left raw rather than preconditioned "

@@ -137,7 +137,7 @@ def test_the_padding_row_never_moves() -> None:
 def test_a_sparse_embedding_is_left_raw_with_a_warning() -> None:
     net = EmbedNet()
     net.emb = nn.Embedding(VOCAB, DIM, sparse=True)
-    with pytest.warns(UserWarning, match=r"'emb' \(Embedding, sparse=True\)"):
+    with pytest.warns(UserWarning, match=r"'emb' \(Embedding\(7, 3, sparse=True\)\): sparse"):
         pre = kaisa.KFACPreconditioner(net)
     assert [layer.name for layer in pre.layers] == ["head"]
     raw = {t.parameter: t.reason for t in pre.coverage().raw()}
