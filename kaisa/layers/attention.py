@@ -215,12 +215,7 @@ class AttentionProjectionHandler(LinearHandler):
     def attach(self, capture: CaptureFn) -> Detachable:
         return self._site.attach(self.role, capture)
 
-    @property
-    def has_bias(self) -> bool:
-        m = self.module
-        return (m.out_proj.bias if self.role == "out_proj" else m.in_proj_bias) is not None
-
-    def _weight_and_rows(self) -> tuple[torch.Tensor, slice]:
+    def weight_slot(self) -> tuple[torch.Tensor, slice]:
         m = self.module
         e = m.embed_dim
         if self.role == "out_proj":
@@ -232,7 +227,7 @@ class AttentionProjectionHandler(LinearHandler):
         assert isinstance(weight, torch.Tensor)
         return weight, slice(0, e)
 
-    def _bias_and_rows(self) -> tuple[torch.Tensor, slice] | None:
+    def bias_slot(self) -> tuple[torch.Tensor, slice] | None:
         m = self.module
         e = m.embed_dim
         if self.role == "out_proj":
@@ -242,42 +237,6 @@ class AttentionProjectionHandler(LinearHandler):
             return None
         i = ROLES.index(self.role)
         return m.in_proj_bias, slice(i * e, (i + 1) * e)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        weight, rows = self._weight_and_rows()
-        return weight[rows]
-
-    def parameters(self) -> list[torch.Tensor]:
-        params: list[torch.Tensor] = [self._weight_and_rows()[0]]
-        bias = self._bias_and_rows()
-        if bias is not None:
-            params.append(bias[0])
-        return params
-
-    def grad_matrix(self) -> torch.Tensor | None:
-        weight, rows = self._weight_and_rows()
-        if weight.grad is None or not weight.requires_grad:
-            return None
-        grad = weight.grad[rows]
-        bias = self._bias_and_rows()
-        if bias is None:
-            return grad.clone()
-        b, b_rows = bias
-        b_grad = b.grad[b_rows] if b.grad is not None else grad.new_zeros(self.g_size)
-        return torch.cat([grad, b_grad.reshape(-1, 1)], dim=1)
-
-    def set_grad_matrix(self, matrix: torch.Tensor) -> None:
-        weight, rows = self._weight_and_rows()
-        assert weight.grad is not None
-        cols = weight.shape[1]
-        weight.grad[rows].copy_(matrix[:, :cols])
-        bias = self._bias_and_rows()
-        if bias is not None and bias[0].requires_grad:
-            b, b_rows = bias
-            if b.grad is None:
-                b.grad = torch.zeros_like(b)
-            b.grad[b_rows].copy_(matrix[:, cols])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.role}, a_size={self.a_size}, g_size={self.g_size})"

@@ -81,23 +81,32 @@ class LayerHandler(ABC):
 
         return own.register_forward_hook(hook)
 
+    def weight_slot(self) -> tuple[torch.Tensor, slice]:
+        """The parameter holding the weight, and its rows that are this block's."""
+        weight = self.module.weight
+        assert isinstance(weight, torch.Tensor)
+        return weight, slice(None)
+
+    def bias_slot(self) -> tuple[torch.Tensor, slice] | None:
+        """The parameter holding the bias and this block's entries of it, or ``None``."""
+        bias = getattr(self.module, "bias", None)
+        return None if bias is None else (bias, slice(None))
+
     @property
     def has_bias(self) -> bool:
-        return getattr(self.module, "bias", None) is not None
+        return self.bias_slot() is not None
 
     @property
     def weight(self) -> torch.Tensor:
-        weight = self.module.weight
-        assert isinstance(weight, torch.Tensor)
-        return weight
+        """The parameter holding the weight (all of it: see :meth:`weight_slot`)."""
+        return self.weight_slot()[0]
 
     def parameters(self) -> list[torch.Tensor]:
         """The parameters whose gradients this handler reads and writes."""
-        params = [self.weight]
-        if self.has_bias:
-            bias = self.module.bias
-            assert isinstance(bias, torch.Tensor)
-            params.append(bias)
+        params = [self.weight_slot()[0]]
+        bias = self.bias_slot()
+        if bias is not None:
+            params.append(bias[0])
         return params
 
     @abstractmethod
@@ -154,33 +163,33 @@ class LayerHandler(ABC):
         loss) returns ``None``; one whose bias alone is missing gets zeros
         for the bias column.
         """
-        weight = self.weight
+        weight, rows = self.weight_slot()
         # A weight frozen after registration keeps whatever .grad it has: kaisa
         # never writes it (nor its layer's bias, then left raw).
         if weight.grad is None or not weight.requires_grad:
             return None
-        grad = weight.grad.reshape(weight.shape[0], -1)
-        if self.has_bias:
-            bias = self.module.bias
-            assert isinstance(bias, torch.Tensor)
-            bias_grad = bias.grad if bias.grad is not None else torch.zeros_like(bias)
-            grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
-        return grad
+        grad = weight.grad[rows].reshape(self.g_size, -1)
+        slot = self.bias_slot()
+        if slot is None:
+            return grad
+        bias, b_rows = slot
+        bias_grad = bias.grad[b_rows] if bias.grad is not None else grad.new_zeros(self.g_size)
+        return torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
 
     def set_grad_matrix(self, matrix: torch.Tensor) -> None:
         """Write a ``(g_size, a_size)`` matrix back into the parameters' ``.grad``."""
-        weight = self.weight
-        w_cols = matrix.shape[1] - (1 if self.has_bias else 0)
+        weight, rows = self.weight_slot()
         assert weight.grad is not None
-        weight.grad.copy_(matrix[:, :w_cols].reshape(weight.shape))
-        if self.has_bias:
-            bias = self.module.bias
-            assert isinstance(bias, torch.Tensor)
-            if not bias.requires_grad:  # frozen after registration: never given a gradient
-                return
-            if bias.grad is None:
-                bias.grad = torch.zeros_like(bias)
-            bias.grad.copy_(matrix[:, w_cols])
+        target = weight.grad[rows]
+        w_cols = matrix.shape[1] - (1 if self.has_bias else 0)
+        target.copy_(matrix[:, :w_cols].reshape(target.shape))
+        slot = self.bias_slot()
+        if slot is None or not slot[0].requires_grad:  # frozen after registration: not written
+            return
+        bias, b_rows = slot
+        if bias.grad is None:
+            bias.grad = torch.zeros_like(bias)
+        bias.grad[b_rows].copy_(matrix[:, w_cols])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.module!r}, a_size={self.a_size}, g_size={self.g_size})"

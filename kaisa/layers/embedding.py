@@ -37,10 +37,6 @@ class EmbeddingHandler(LayerHandler):
         self.g_size = module.embedding_dim
 
     @property
-    def has_bias(self) -> bool:
-        return False
-
-    @property
     def _dtype(self) -> torch.dtype:
         """Counts accumulate as the table's gradients would: at least float32."""
         return accumulator_dtype(self.weight)
