@@ -11,7 +11,7 @@ from torch import nn
 
 from kaisa.layers.attention import attention_handlers
 from kaisa.layers.base import LayerHandler
-from kaisa.layers.conv import Conv2dHandler, ConvEstimator, conv1d_handler
+from kaisa.layers.conv import conv1d_handler, conv2d_handler, unsupported_reason
 from kaisa.layers.embedding import embedding_handler
 from kaisa.layers.linear import LinearHandler
 
@@ -48,22 +48,13 @@ def _linear(module: nn.Module, **_: object) -> LayerHandler:
     return LinearHandler(module)
 
 
-def _conv2d(
-    module: nn.Module, conv_estimator: ConvEstimator = "expand", **_: object
-) -> LayerHandler | None:
-    assert isinstance(module, nn.Conv2d)
-    if module.groups != 1:
-        return None
-    return Conv2dHandler(module, estimator=conv_estimator)
-
-
 def _attention(module: nn.Module, **_: object) -> list[LayerHandler]:
     assert isinstance(module, nn.MultiheadAttention)
     return list(attention_handlers(module))
 
 
 register_handler(nn.Linear, _linear)
-register_handler(nn.Conv2d, _conv2d)
+register_handler(nn.Conv2d, conv2d_handler)
 register_handler(nn.Conv1d, conv1d_handler)
 register_handler(nn.MultiheadAttention, _attention)
 register_handler(nn.Embedding, embedding_handler)
@@ -131,8 +122,9 @@ def _why_unhandled(module: nn.Module) -> tuple[str, bool]:
     """Why a module with parameters is left raw, and whether that deserves a warning."""
     if isinstance(module, _NORMS):
         return "normalisation layer: affine parameters are left raw (a documented choice)", False
-    if isinstance(module, (nn.Conv1d, nn.Conv2d)) and module.groups != 1:
-        return f"grouped convolution (groups={module.groups}) is not preconditioned", True
+    reason = unsupported_reason(module)
+    if reason is not None:
+        return reason, True
     if isinstance(module, nn.Embedding) and module.sparse:
         return "sparse embedding (sparse=True): sparse gradients are not preconditioned", True
     return f"no handler for {type(module).__name__}", False

@@ -1,0 +1,110 @@
+"""The geometry of a ``groups == 1`` convolution, as the 2-D convolution kaisa computes.
+
+Kernel, stride, dilation, resolved padding and the output size are read off
+the module here once; the factor algorithms (:mod:`kaisa.layers._conv_patches`,
+:mod:`kaisa.layers._conv_shifted`) and the handlers (:mod:`kaisa.layers.conv`)
+take them from a :class:`ConvGeometry`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _pair(value: int | tuple[int, ...]) -> tuple[int, int]:
+    if isinstance(value, int):
+        return (value, value)
+    return (int(value[0]), int(value[1]))
+
+
+def _one_row(value: int | tuple[int, ...], row: int) -> tuple[int, int]:
+    """A 1-D convolution's ``value`` as the 2-D pair ``(row, value)``."""
+    return (row, value if isinstance(value, int) else int(value[0]))
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """A ``groups == 1`` convolution as the 2-D convolution the handlers compute.
+
+    ``nn.Conv2d`` as it is; ``nn.Conv1d`` as the 2-D convolution of its input
+    viewed as one row, ``(N, C_in, 1, L)``: kernel ``(1, k)``, stride
+    ``(1, s)``, dilation ``(1, d)`` and padding on the columns only.
+
+    Attributes:
+        in_channels: ``C_in``.
+        out_channels: ``C_out``.
+        kernel: ``(kh, kw)``.
+        stride: ``(sh, sw)``.
+        dilation: ``(dh, dw)``.
+        padding: ``(left, right, top, bottom)`` (``F.pad``'s order), with
+            ``'same'`` and ``'valid'`` resolved.
+        pad_mode: the ``F.pad`` mode of the padding (``'constant'`` for zeros).
+    """
+
+    in_channels: int
+    out_channels: int
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    dilation: tuple[int, int]
+    padding: tuple[int, int, int, int]
+    pad_mode: str
+
+    @classmethod
+    def of(cls, conv: nn.Conv1d | nn.Conv2d) -> ConvGeometry:
+        """The 2-D geometry of ``conv``."""
+        if isinstance(conv, nn.Conv1d):
+            kernel, stride = _one_row(conv.kernel_size, 1), _one_row(conv.stride, 1)
+            dilation = _one_row(conv.dilation, 1)
+            pads = conv.padding if isinstance(conv.padding, str) else _one_row(conv.padding, 0)
+        else:
+            kernel, stride, dilation = (
+                _pair(conv.kernel_size),
+                _pair(conv.stride),
+                _pair(conv.dilation),
+            )
+            pads = conv.padding if isinstance(conv.padding, str) else _pair(conv.padding)
+        if pads == "valid":
+            padding = (0, 0, 0, 0)
+        elif pads == "same":
+            total_h = dilation[0] * (kernel[0] - 1)
+            total_w = dilation[1] * (kernel[1] - 1)
+            padding = (total_w // 2, total_w - total_w // 2, total_h // 2, total_h - total_h // 2)
+        else:
+            assert not isinstance(pads, str)
+            ph, pw = pads
+            padding = (pw, pw, ph, ph)
+        return cls(
+            in_channels=conv.in_channels,
+            out_channels=conv.out_channels,
+            kernel=kernel,
+            stride=stride,
+            dilation=dilation,
+            padding=padding,
+            pad_mode="constant" if conv.padding_mode == "zeros" else conv.padding_mode,
+        )
+
+    @property
+    def columns(self) -> int:
+        """Columns of the patch matrix, ``C_in·kh·kw``."""
+        return self.in_channels * self.kernel[0] * self.kernel[1]
+
+    @property
+    def padded(self) -> bool:
+        """Whether the convolution pads its input at all."""
+        return any(self.padding)
+
+    def output_size(self, h: int, w: int) -> tuple[int, int]:
+        """``(H_out, W_out)`` for an (unpadded) ``h × w`` input."""
+        left, right, top, bottom = self.padding
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.stride, self.dilation
+        h_out = (h + top + bottom - dh * (kh - 1) - 1) // sh + 1
+        w_out = (w + left + right - dw * (kw - 1) - 1) // sw + 1
+        return h_out, w_out
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (``(N, C, H, W)``) padded as the convolution pads it."""
+        return F.pad(x, self.padding, mode=self.pad_mode)
