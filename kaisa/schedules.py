@@ -8,11 +8,7 @@ value names the hyperparameter and the step.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-
-#: A constant or a function of the step.
-Schedule = float | Callable[[int], float]
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,14 @@
 
 Timers use the host clock. On an accelerator the host runs ahead of the
 device, so per-phase times there are launch times unless ``synchronize`` is
-set, which waits for the device at each phase boundary (slower; for profiling).
+set (``preconditioner.telemetry.synchronize = True``), which waits for the
+device at each phase boundary (slower; for profiling).
+
+Every phase is also a ``torch.profiler.record_function`` range named
+``kaisa.<phase>``, so profiles show it. Inside a graph that ``torch.compile``
+is tracing (the capture hooks of a compiled model) a timer does nothing: the
+host clock there would break the graph, and the time would be that of the
+tracing, not of the run.
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
@@ -40,6 +47,16 @@ COLLECTIVES = (
 )
 
 
+def _synchronize(device: torch.device | None) -> None:
+    """Wait for the work queued on ``device`` (``None``: the current accelerator, if any)."""
+    if device is None:
+        if not torch.accelerator.is_available():
+            return
+    elif device.type == "cpu":
+        return
+    torch.accelerator.synchronize(device)
+
+
 class Telemetry:
     """Cumulative counters since the last :meth:`reset`, plus the last step's traffic.
 
@@ -55,6 +72,9 @@ class Telemetry:
         failed_decompositions: decompositions that failed (state kept).
         kl_clipped_steps: steps at which KL clipping shrank the update (``ν < 1``).
         last_kl_scale: ``ν`` of the most recent step (1.0 without clipping).
+        synchronize: wait for the accelerator at each phase boundary, so that
+            the phase times are the device's (slower; for profiling). No
+            effect without an accelerator. Kept by :meth:`reset`.
     """
 
     def __init__(self, synchronize: bool = False) -> None:
@@ -81,21 +101,33 @@ class Telemetry:
         if scale < 1.0:
             self.kl_clipped_steps += 1
 
+    def timer(self, phase: str, device: torch.device | None = None) -> AbstractContextManager[None]:
+        """Add the time spent inside the block to ``phase_seconds[phase]``.
+
+        With :attr:`synchronize`, waits for ``device`` (``None``: the current
+        accelerator, if there is one) before and after the block. The block is
+        a profiler range ``kaisa.<phase>``. While ``torch.compile`` traces the
+        block this is ``contextlib.nullcontext()``, which Dynamo traces (and
+        breaks a graph in) like no context at all: nothing is timed.
+        """
+        if torch.compiler.is_compiling():
+            return nullcontext()
+        return self._timed(phase, device)
+
     @contextmanager
-    def timer(self, phase: str, device: torch.device | None = None) -> Iterator[None]:
-        """Add the time spent inside the block to ``phase_seconds[phase]``."""
-        sync = self.synchronize and device is not None and device.type != "cpu"
-        if sync:
-            torch.accelerator.synchronize(device)
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            if sync:
-                torch.accelerator.synchronize(device)
-            self.phase_seconds[phase] = (
-                self.phase_seconds.get(phase, 0.0) + time.perf_counter() - start
-            )
+    def _timed(self, phase: str, device: torch.device | None) -> Iterator[None]:
+        with torch.profiler.record_function(f"kaisa.{phase}"):
+            if self.synchronize:
+                _synchronize(device)
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                if self.synchronize:
+                    _synchronize(device)
+                self.phase_seconds[phase] = (
+                    self.phase_seconds.get(phase, 0.0) + time.perf_counter() - start
+                )
 
     def count(self, kind: str, tensor: torch.Tensor) -> None:
         """Record one collective call of ``kind`` on ``tensor``."""
