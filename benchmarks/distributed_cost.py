@@ -37,12 +37,10 @@ from typing import Any
 
 from common import add_json_option, format_table, write_json
 
-from kaisa.distributed.cost import ComputeMethod, summarize
-from kaisa.distributed.layer_shapes import (
-    bert_large_shapes,
-    module_layer_shapes,
-    resnet50_shapes,
-)
+from kaisa.choices import ComputeMethod
+from kaisa.cli.shapes import module_layer_shapes
+from kaisa.distributed.cost import summarize
+from kaisa.distributed.layer_shapes import bert_large_shapes, resnet50_shapes
 from kaisa.distributed.plan import LayerShape, make_plan
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "distributed_cost.json"

@@ -11,10 +11,23 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from kaisa.choices import (
+    ASSIGNMENT_STRATEGIES,
+    COMPUTE_METHODS,
+    CONV_ESTIMATORS,
+    DAMPING_MODES,
+    FACTOR_INITS,
+    AssignmentStrategy,
+    ComputeMethod,
+    ConvEstimator,
+    DampingMode,
+    FactorInit,
+    one_of,
+)
 from kaisa.curvature.budget import MIN_FACTOR_STEPS, MIN_INV_STEPS
 from kaisa.curvature.costs import SideSpec
 from kaisa.distributed.plan import FractionSpec, resolve_grad_workers
@@ -105,12 +118,6 @@ GradScale = Callable[[], float]
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _choice(name: str, value: object, allowed: Sequence[str]) -> str:
-    if not isinstance(value, str) or value.lower() not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
-    return value.lower()
-
-
 def _flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False; got {value!r}")
@@ -147,9 +154,9 @@ class KFACOptions:
     lr: Any = 0.1
     accumulation_steps: int = 1
     allreduce_bucket_cap_mb: float = 25.0
-    assignment_strategy: Literal["compute", "memory"] = "compute"
+    assignment_strategy: AssignmentStrategy = "compute"
     colocate_factors: bool = True
-    compute_method: Literal["eigen", "inverse"] = "eigen"
+    compute_method: ComputeMethod = "eigen"
     compute_eigenvalue_outer_product: bool = True
     grad_worker_fraction: FractionSpec = "comm-opt"
     symmetry_aware: bool = False
@@ -158,10 +165,10 @@ class KFACOptions:
     inv_dtype: torch.dtype | None = torch.float32
     skip_layers: Sequence[str] = ()
     update_factors_in_hook: bool = True
-    conv_factor_estimator: Literal["expand", "reduce"] = "expand"
+    conv_factor_estimator: ConvEstimator = "expand"
     factor_product_dtype: torch.dtype | None = None
-    damping_mode: Literal["absolute", "relative"] = "relative"
-    factor_init: Literal["identity", "first_batch"] = "first_batch"
+    damping_mode: DampingMode = "relative"
+    factor_init: FactorInit = "first_batch"
     curvature: Any = "auto"
     time_budget: float = 0.1
     # Derived, validated views.
@@ -216,27 +223,27 @@ class KFACOptions:
         set_(
             self,
             "assignment_strategy",
-            _choice("assignment_strategy", self.assignment_strategy, ("compute", "memory")),
+            one_of("assignment_strategy", self.assignment_strategy, ASSIGNMENT_STRATEGIES),
         )
         set_(
             self,
             "compute_method",
-            _choice("compute_method", self.compute_method, ("eigen", "inverse")),
+            one_of("compute_method", self.compute_method, COMPUTE_METHODS),
         )
         set_(
             self,
             "conv_factor_estimator",
-            _choice("conv_factor_estimator", self.conv_factor_estimator, ("expand", "reduce")),
+            one_of("conv_factor_estimator", self.conv_factor_estimator, CONV_ESTIMATORS),
         )
         set_(
             self,
             "damping_mode",
-            _choice("damping_mode", self.damping_mode, ("absolute", "relative")),
+            one_of("damping_mode", self.damping_mode, DAMPING_MODES),
         )
         set_(
             self,
             "factor_init",
-            _choice("factor_init", self.factor_init, ("identity", "first_batch")),
+            one_of("factor_init", self.factor_init, FACTOR_INITS),
         )
         for name in (
             "colocate_factors",

@@ -11,7 +11,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kaisa.curvature.block import ComputeMethod, KroneckerBlock
+    from kaisa.choices import ComputeMethod
+    from kaisa.curvature.block import KroneckerBlock
     from kaisa.curvature.costs import SideCost, SideSpec, side_cost
     from kaisa.curvature.linalg import (
         DecompositionError,
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from kaisa.curvature.representations import Side, make_side, split_damping
 
 _LAZY = {
-    "ComputeMethod": "kaisa.curvature.block",
+    "ComputeMethod": "kaisa.choices",
     "KroneckerBlock": "kaisa.curvature.block",
     "SideCost": "kaisa.curvature.costs",
     "SideSpec": "kaisa.curvature.costs",

@@ -19,6 +19,7 @@ from typing import Literal
 
 import torch
 
+from kaisa.choices import ComputeMethod, DampingMode, FactorInit
 from kaisa.curvature.linalg import (
     DecompositionError,
     eigen_outer_inverse,
@@ -36,9 +37,6 @@ from kaisa.curvature.representations import (
     split_damping,
 )
 
-ComputeMethod = Literal["eigen", "inverse"]
-DampingMode = Literal["absolute", "relative"]
-FactorInit = Literal["identity", "first_batch"]
 Factor = Literal["a", "g"]
 
 

@@ -42,6 +42,7 @@ from typing import ClassVar
 
 import torch
 
+from kaisa.choices import COMPUTE_METHODS, one_of
 from kaisa.curvature.costs import (
     EIGH_COST,
     OVERSAMPLING,
@@ -206,8 +207,7 @@ class ExactSide(Side):
 
     def __init__(self, name: str, size: int, *, method: str = "eigen", **kw: object) -> None:
         super().__init__(name, size, **kw)  # type: ignore[arg-type]
-        if method not in ("eigen", "inverse"):
-            raise ValueError(f"compute_method must be 'eigen' or 'inverse'; got {method!r}")
+        one_of("compute_method", method, COMPUTE_METHODS)
         self.method = method
 
     def _identity_state(self) -> list[torch.Tensor]:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kaisa.choices import CONV_ESTIMATORS, DAMPING_MODES, FACTOR_INITS, NAMED_FRACTIONS
 from kaisa.demo.config import (
     ADAMW_WEIGHT_DECAY,
     ARM_NAMES,
@@ -44,6 +45,7 @@ from kaisa.demo.config import (
 )
 from kaisa.demo.data import DEFAULT_DATA_DIR, DatasetError, FashionMNIST, load_fashion_mnist
 from kaisa.demo.optimizers import MissingDependencyError, require_heavyball
+from kaisa.distributed.plan import resolve_grad_workers
 
 __all__ = ["DEFAULTS", "QUICK", "DemoError", "build_config", "main", "parse_args"]
 
@@ -181,13 +183,16 @@ def _seeds(text: str) -> tuple[int, ...]:
     return seeds
 
 
-def _gwf(text: str) -> float:
+def _gwf(text: str) -> float | str:
+    if text.lower() in NAMED_FRACTIONS:
+        return text.lower()
+    expected = f"a number in [0, 1] or one of {', '.join(NAMED_FRACTIONS)}"
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
     if not (0.0 <= value <= 1.0):
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
 
 
@@ -368,17 +373,17 @@ def _parser() -> _Parser:
     g.add_argument("--factor-decay", type=_fraction, help="running-average decay of the factors")
     g.add_argument(
         "--conv-factor-estimator",
-        choices=("expand", "reduce"),
+        choices=CONV_ESTIMATORS,
         help="conv factors from every patch ('expand') or per-sample patch means ('reduce')",
     )
     g.add_argument(
         "--damping-mode",
-        choices=("absolute", "relative"),
+        choices=DAMPING_MODES,
         help="damping added as is or relative to each factor's mean eigenvalue",
     )
     g.add_argument(
         "--factor-init",
-        choices=("identity", "first_batch"),
+        choices=FACTOR_INITS,
         help="factors start as the identity or as the first batch's factors",
     )
     g.add_argument(
@@ -501,13 +506,10 @@ def build_config(args: argparse.Namespace) -> SuiteConfig:
             f"argument --batch-size: {args.batch_size} is not divisible by --nproc {args.nproc}"
         )
     if args.nproc > 1 and args.grad_worker_fraction is not None:
-        f = args.grad_worker_fraction
-        workers = max(1, round((f if f > 0 else 1.0 / args.nproc) * args.nproc))
-        if args.nproc % workers:
-            raise DemoError(
-                f"argument --grad-worker-fraction: {f:g} gives {workers} gradient workers, "
-                f"which does not divide --nproc {args.nproc}"
-            )
+        try:  # the library's rule, checked before any process starts
+            resolve_grad_workers(args.grad_worker_fraction, args.nproc)
+        except ValueError as error:
+            raise DemoError(f"argument --grad-worker-fraction: {error}") from None
     if (
         args.factor_update_steps is not None
         and args.inv_update_steps is not None

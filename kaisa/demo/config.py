@@ -170,7 +170,7 @@ class KfacConfig:
     damping: float | None = None
     kl_clip: float | str | None = None
     factor_decay: float | None = None
-    grad_worker_fraction: float | None = None
+    grad_worker_fraction: float | str | None = None
     conv_factor_estimator: str | None = None
     damping_mode: str | None = None
     factor_init: str | None = None

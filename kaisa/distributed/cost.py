@@ -42,12 +42,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
+from kaisa.choices import COMPUTE_METHODS, ComputeMethod, one_of
 from kaisa.curvature.costs import SideCost, SideSpec, side_cost
 from kaisa.distributed.plan import LayerAssignment, WorkPlan
-
-ComputeMethod = Literal["eigen", "inverse"]
 
 __all__ = [
     "ComputeMethod",
@@ -67,8 +65,7 @@ __all__ = [
 
 
 def _check_method(compute_method: str) -> None:
-    if compute_method not in ("eigen", "inverse"):
-        raise ValueError(f"compute_method must be 'eigen' or 'inverse', got {compute_method!r}")
+    one_of("compute_method", compute_method, COMPUTE_METHODS)
 
 
 def _check_interval(name: str, value: int) -> None:

@@ -10,19 +10,16 @@ A K-FAC layer with input side ``a`` and output side ``g`` has factors
 ``resnet50_shapes`` and ``bert_shapes`` write these down for the published
 architectures (ResNet-50 as in torchvision, BERT as in the original paper and
 Hugging Face naming), so a plan for 1024 ranks needs neither torch nor the
-weights. ``module_layer_shapes`` reads them off an actual ``nn.Module``;
-torch is imported only there.
+weights. The shapes of an actual ``nn.Module`` are read off it by
+:func:`kaisa.cli.shapes.module_layer_shapes` (this package knows shapes, not
+module types).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from kaisa.distributed.plan import LayerShape
-
-if TYPE_CHECKING:
-    from torch import nn
 
 __all__ = [
     "SHAPE_MODELS",
@@ -31,7 +28,6 @@ __all__ = [
     "bert_shapes",
     "conv2d_shape",
     "linear_shape",
-    "module_layer_shapes",
     "resnet50_shapes",
 ]
 
@@ -123,25 +119,3 @@ SHAPE_MODELS: dict[str, Callable[[], list[LayerShape]]] = {
     "bert-base": bert_base_shapes,
 }
 """Models whose shapes are written down here (no torch needed), by name."""
-
-
-def module_layer_shapes(model: nn.Module, skip_layers: Sequence[str] = ()) -> list[LayerShape]:
-    """The factor sides of every layer the preconditioner would register in ``model``.
-
-    Asks the layer registry (:func:`kaisa.layers.find_layers`), so the plan
-    printed for a model counts exactly the layers ``KFACPreconditioner``
-    registers, with the same names and the same ``skip_layers`` rule; a
-    layer kind's own representation (an embedding's diagonal ``A``) is kept,
-    the other sides are exact.
-    """
-    from kaisa.layers import find_layers
-
-    return [
-        LayerShape(
-            name,
-            handler.a_size,
-            handler.g_size,
-            *(side or "exact" for side in handler.default_sides),
-        )
-        for name, handler in find_layers(model, skip_layers)
-    ]

@@ -21,14 +21,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
+from kaisa.choices import NAMED_FRACTIONS, AssignmentStrategy
 from kaisa.curvature.costs import EIGH_COST, SideSpec, side_cost
 
-AssignmentStrategy = Literal["compute", "memory"]
 FractionSpec = float | str
-
-_NAMED_FRACTIONS = ("comm-opt", "hybrid-opt", "mem-opt")
 
 
 @dataclass(frozen=True)
@@ -190,10 +187,10 @@ def resolve_grad_workers(grad_worker_fraction: FractionSpec, world_size: int) ->
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if isinstance(grad_worker_fraction, str):
         key = grad_worker_fraction.lower()
-        if key not in _NAMED_FRACTIONS:
+        if key not in NAMED_FRACTIONS:
             raise ValueError(
                 f"grad_worker_fraction must be a float in [0, 1] or one of "
-                f"{', '.join(map(repr, _NAMED_FRACTIONS))}; got {grad_worker_fraction!r}"
+                f"{', '.join(map(repr, NAMED_FRACTIONS))}; got {grad_worker_fraction!r}"
             )
         fraction = {"comm-opt": 1.0, "hybrid-opt": 0.5, "mem-opt": 0.0}[key]
     elif isinstance(grad_worker_fraction, (int, float)) and not isinstance(
@@ -208,7 +205,7 @@ def resolve_grad_workers(grad_worker_fraction: FractionSpec, world_size: int) ->
     else:
         raise TypeError(
             f"grad_worker_fraction must be a float or one of "
-            f"{', '.join(map(repr, _NAMED_FRACTIONS))}; got {type(grad_worker_fraction).__name__}"
+            f"{', '.join(map(repr, NAMED_FRACTIONS))}; got {type(grad_worker_fraction).__name__}"
         )
     if fraction == 0.0:
         fraction = 1.0 / world_size

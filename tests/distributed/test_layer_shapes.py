@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kaisa.cli.shapes import module_layer_shapes
 from kaisa.distributed.layer_shapes import (
     SHAPE_MODELS,
     bert_base_shapes,
     bert_large_shapes,
-    module_layer_shapes,
     resnet50_shapes,
 )
 from kaisa.distributed.plan import LayerShape

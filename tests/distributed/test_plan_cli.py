@@ -5,14 +5,20 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from kaisa.cli import main as kaisa_main
+from kaisa.cli.plan import default_grad_workers, main, parse_fraction, split_stages
 from kaisa.distributed.cost import summarize
-from kaisa.distributed.layer_shapes import bert_large_shapes, resnet50_shapes
+from kaisa.distributed.layer_shapes import (
+    bert_base_shapes,
+    bert_large_shapes,
+    linear_shape,
+    resnet50_shapes,
+)
 from kaisa.distributed.plan import make_plan
-from kaisa.distributed.plan_cli import default_grad_workers, main, parse_fraction
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -115,6 +121,13 @@ def test_dispatch_from_the_kaisa_command(capsys: pytest.CaptureFixture[str]) -> 
         (["--world-size", "4", "--factor-update-steps", "0"], "--factor-update-steps"),
         (["--world-size", "4", "--inv-update-steps", "-1"], "--inv-update-steps"),
         (["--world-size", "4", "--frobnicate"], "unrecognized"),
+        (["--world-size", "4", "--pipeline-stages", "3"], "--pipeline-stages"),
+        (["--world-size", "4", "--pipeline-stages", "0"], "--pipeline-stages"),
+        (["--world-size", "8", "--model", "small_cnn", "--pipeline-stages", "8"], "8 stages"),
+        (["--world-size", "4", "--model", "no_such_module_xyz:build"], "cannot import"),
+        (["--world-size", "4", "--model", "kaisa.models:nothing_here"], "no callable"),
+        (["--world-size", "4", "--model", "json:dumps"], "--model"),
+        (["--world-size", "4", "--model", ":build"], "package.module:factory"),
     ],
 )
 def test_errors_are_one_line(
@@ -155,3 +168,56 @@ def test_planning_does_not_import_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_pipeline_stages_split_the_layers_and_plan_each_over_its_group(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run(
+        capsys, "--model", "bert-base", "--world-size", "8", "--pipeline-stages", "2", "--json"
+    )
+    assert code == 0
+    report = json.loads(out)
+    assert (report["world_size"], report["pipeline_stages"], report["data_parallel_size"]) == (
+        8,
+        2,
+        4,
+    )
+    names = [s.name for s in bert_base_shapes()]
+    stages = report["stages"]
+    assert len(stages) == 2
+    # Contiguous, covering every layer once, of about equal weight.
+    assert stages[0]["layers"] + stages[1]["layers"] == names
+    sizes = {s.name: s.a_size * s.g_size for s in bert_base_shapes()}
+    weights = [sum(sizes[n] for n in stage["layers"]) for stage in stages]
+    assert max(weights) / min(weights) < 1.1
+    for stage in stages:
+        for fraction in stage["fractions"]:
+            assert fraction["world_size"] == 4
+
+
+def test_split_stages_leaves_a_layer_for_every_stage() -> None:
+    # One huge layer first: every later stage still gets a layer.
+    shapes = [linear_shape("big", 1000, 1000), *(linear_shape(f"s{i}", 4, 4) for i in range(3))]
+    runs = split_stages(shapes, 3)
+    assert [len(run) for run in runs] == [1, 1, 2]
+    assert [s for run in runs for s in run] == shapes
+
+
+def test_a_users_model_from_module_and_factory(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "my_models_for_plan.py").write_text(
+        "from torch import nn\n"
+        "def build():\n"
+        "    return nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 3))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, _ = run(
+        capsys, "--model", "my_models_for_plan:build", "--world-size", "2", "--json", "--show-plan"
+    )
+    assert code == 0
+    report = json.loads(out)
+    assert report["num_layers"] == 2
+    layers = {la["name"]: (la["a_size"], la["g_size"]) for la in report["plan"]["layers"]}
+    assert layers == {"0": (11, 20), "2": (21, 3)}

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from kaisa.cli.plan import main
 from kaisa.distributed.cost import rank_memory, rank_traffic
 from kaisa.distributed.layer_shapes import bert_large_shapes
 from kaisa.distributed.plan import LayerShape, make_plan
-from kaisa.distributed.plan_cli import main
 
 
 def test_plan_records_and_costs_each_representation() -> None:

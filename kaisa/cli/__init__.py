@@ -2,7 +2,7 @@
 
 ``kaisa demo ...`` runs the time-to-accuracy benchmark suite (``kaisa.demo``) and
 ``kaisa plan ...`` prints the KAISA work plan and cost model
-(``kaisa.distributed.plan_cli``). Each sub-command owns its own options.
+(``kaisa.cli.plan``). Each sub-command owns its own options.
 """
 
 from __future__ import annotations
@@ -31,11 +31,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     command, rest = args[0], args[1:]
     if command == "demo":
-        from kaisa.demo.cli import main as demo_main
-
+        try:
+            from kaisa.demo.cli import main as demo_main
+        except ModuleNotFoundError as error:
+            if error.name is None or not error.name.startswith("kaisa."):
+                raise
+            print(
+                "kaisa demo: the benchmark suite runs from a checkout of the kaisa repository "
+                "(`make demo`, or `pip install -e '.[demo,bench]'` there); the installed "
+                "package holds the library only",
+                file=sys.stderr,
+            )
+            return 2
         return demo_main(rest)
     if command == "plan":
-        from kaisa.distributed.plan_cli import main as plan_main
+        from kaisa.cli.plan import main as plan_main
 
         return plan_main(rest)
     print(

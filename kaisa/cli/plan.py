@@ -13,17 +13,25 @@ on the CPU to read their shapes.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Sequence
 from fractions import Fraction
 from typing import NoReturn, cast
 
-from kaisa.curvature.costs import SideSpec
-from kaisa.distributed.cost import ComputeMethod, CostSummary, summarize
-from kaisa.distributed.layer_shapes import SHAPE_MODELS, module_layer_shapes
-from kaisa.distributed.plan import (
+from kaisa.choices import (
+    ASSIGNMENT_STRATEGIES,
+    COMPUTE_METHODS,
+    NAMED_FRACTIONS,
     AssignmentStrategy,
+    ComputeMethod,
+)
+from kaisa.cli.shapes import module_layer_shapes
+from kaisa.curvature.costs import SideSpec
+from kaisa.distributed.cost import CostSummary, summarize
+from kaisa.distributed.layer_shapes import SHAPE_MODELS
+from kaisa.distributed.plan import (
     FractionSpec,
     LayerShape,
     WorkPlan,
@@ -50,7 +58,7 @@ class _Parser(argparse.ArgumentParser):
 def parse_fraction(text: str) -> FractionSpec:
     """A ``--fraction`` value: a name ('mem-opt', ...), a float, or ``p/q``."""
     key = text.strip().lower()
-    if key in ("comm-opt", "hybrid-opt", "mem-opt"):
+    if key in NAMED_FRACTIONS:
         return key
     try:
         value = float(Fraction(key))
@@ -82,10 +90,69 @@ def default_grad_workers(world_size: int) -> list[int]:
     return sorted(chosen)
 
 
+def _user_model(spec: str) -> list[LayerShape]:
+    """Layer shapes of the model ``factory()`` returns, for ``--model package.module:factory``."""
+    import importlib
+
+    import torch.nn as nn
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise _UsageError(f"argument --model: expected package.module:factory; got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise _UsageError(f"argument --model: cannot import {module_name!r}: {error}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise _UsageError(f"argument --model: {module_name!r} has no callable {attr!r}")
+    try:
+        model = factory()
+    except Exception as error:  # the user's code: report it on one line
+        raise _UsageError(
+            f"argument --model: {spec}() raised {type(error).__name__}: {error}"
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise _UsageError(
+            f"argument --model: {spec}() returned {type(model).__name__}, not a torch.nn.Module"
+        )
+    shapes = module_layer_shapes(model)
+    if not shapes:
+        raise _UsageError(f"argument --model: {spec}() has no layer kaisa can precondition")
+    return shapes
+
+
+def split_stages(shapes: Sequence[LayerShape], stages: int) -> list[list[LayerShape]]:
+    """``shapes`` in ``stages`` contiguous runs of nearly equal weight elements.
+
+    How a pipeline would cut the model if it balanced parameters; each run
+    is one stage's layers, planned over that stage's data-parallel group.
+    """
+    if stages > len(shapes):
+        raise _UsageError(
+            f"argument --pipeline-stages: {stages} stages but the model has {len(shapes)} "
+            "K-FAC layers"
+        )
+    prefix = list(itertools.accumulate(s.a_size * s.g_size for s in shapes))
+    runs: list[list[LayerShape]] = []
+    begin = 0
+    for k in range(stages - 1):
+        target = prefix[-1] * (k + 1) / stages
+        # The first layer at which the cut reaches its share, leaving a layer per later stage.
+        end = next(i + 1 for i in range(begin, len(shapes)) if prefix[i] >= target)
+        end = max(begin + 1, min(end, len(shapes) - (stages - 1 - k)))
+        runs.append(list(shapes[begin:end]))
+        begin = end
+    runs.append(list(shapes[begin:]))
+    return runs
+
+
 def model_shapes(name: str) -> list[LayerShape]:
-    """Layer shapes of ``name``: a written-down model or one of ``kaisa.models``."""
+    """Layer shapes of ``name``: written down, from ``kaisa.models``, or ``module:factory``."""
     if name in SHAPE_MODELS:
         return SHAPE_MODELS[name]()
+    if ":" in name:
+        return _user_model(name)
     try:
         import kaisa.models as models
     except ImportError:
@@ -111,10 +178,20 @@ def _parser() -> _Parser:
     p.add_argument(
         "--model",
         default="resnet50",
-        help="resnet50, bert-large, bert-base, or a kaisa.models name such as resnet20, "
-        "resnet32, small_cnn, gap_cnn, transformer (default: resnet50)",
+        help="resnet50, bert-large, bert-base, a kaisa.models name such as resnet20, "
+        "resnet32, small_cnn, gap_cnn, transformer, or your own model as "
+        "package.module:factory (a function returning the nn.Module; default: resnet50)",
     )
     p.add_argument("--world-size", type=int, required=True, metavar="N", help="number of ranks")
+    p.add_argument(
+        "--pipeline-stages",
+        type=int,
+        default=1,
+        metavar="S",
+        help="split the layers into S contiguous pipeline stages of about equal weight "
+        "elements; each stage is planned over its data-parallel group of N/S ranks "
+        "(process_group=), fractions resolved against N/S (default: 1)",
+    )
     p.add_argument(
         "--fraction",
         action="append",
@@ -126,7 +203,7 @@ def _parser() -> _Parser:
     )
     p.add_argument(
         "--assignment-strategy",
-        choices=("compute", "memory"),
+        choices=ASSIGNMENT_STRATEGIES,
         default="compute",
         help="balance decomposition time (n^3) or memory (n^2) (default: compute)",
     )
@@ -141,7 +218,7 @@ def _parser() -> _Parser:
         action="store_true",
         help="all-reduce only the upper triangles of the factors",
     )
-    p.add_argument("--compute-method", choices=("eigen", "inverse"), default="eigen")
+    p.add_argument("--compute-method", choices=COMPUTE_METHODS, default="eigen")
     p.add_argument(
         "--no-eigen-outer-product",
         dest="eigen_outer_product",
@@ -279,6 +356,14 @@ def _run(argv: Sequence[str]) -> int:
                 f"argument {flag}: must be a positive integer, got {getattr(args, opt)}"
             )
 
+    stages: int = args.pipeline_stages
+    if stages < 1 or n % stages:
+        raise _UsageError(
+            f"argument --pipeline-stages: must be a positive divisor of --world-size {n}, "
+            f"got {stages}"
+        )
+    world = n
+    n //= stages  # each stage's data-parallel group
     shapes = _with_curvature(model_shapes(args.model), args.curvature)
     if args.fraction:
         ms: list[int] = []
@@ -296,23 +381,30 @@ def _run(argv: Sequence[str]) -> int:
 
     strategy = cast(AssignmentStrategy, args.assignment_strategy)
     method = cast(ComputeMethod, args.compute_method)
-    plans: dict[int, WorkPlan] = {}
-    summaries = []
-    for m in sorted(set(ms) | ({show_m} if show_m is not None else set())):
-        plans[m] = make_plan(shapes, n, m / n, strategy, args.colocate)
-    for m in ms:
-        summaries.append(
-            summarize(
-                plans[m],
-                compute_method=method,
-                eigen_outer_product=args.eigen_outer_product,
-                symmetry_aware=args.symmetry_aware,
-                factor_update_steps=args.factor_update_steps,
-                inv_update_steps=args.inv_update_steps,
-            )
+    runs = split_stages(shapes, stages) if stages > 1 else [shapes]
+    stage_plans: list[dict[int, WorkPlan]] = []
+    stage_summaries: list[list[CostSummary]] = []
+    for run in runs:
+        plans: dict[int, WorkPlan] = {
+            m: make_plan(run, n, m / n, strategy, args.colocate)
+            for m in sorted(set(ms) | ({show_m} if show_m is not None else set()))
+        }
+        stage_plans.append(plans)
+        stage_summaries.append(
+            [
+                summarize(
+                    plans[m],
+                    compute_method=method,
+                    eigen_outer_product=args.eigen_outer_product,
+                    symmetry_aware=args.symmetry_aware,
+                    factor_update_steps=args.factor_update_steps,
+                    inv_update_steps=args.inv_update_steps,
+                )
+                for m in ms
+            ]
         )
 
-    settings = {
+    settings: dict[str, object] = {
         "model": args.model,
         "num_layers": len(shapes),
         "world_size": n,
@@ -325,18 +417,34 @@ def _run(argv: Sequence[str]) -> int:
         "factor_update_steps": args.factor_update_steps,
         "inv_update_steps": args.inv_update_steps,
     }
+    if stages > 1:
+        settings.update(world_size=world, pipeline_stages=stages, data_parallel_size=n)
     if args.json:
-        out: dict[str, object] = {
-            **settings,
-            "fractions": [s.to_dict(_BYTES_PER_ELEMENT) for s in summaries],
-        }
-        if show_m is not None:
-            out["plan"] = _plan_json(plans[show_m])
+        out: dict[str, object] = dict(settings)
+        parts: list[dict[str, object]] = []
+        for run, plans, summaries in zip(runs, stage_plans, stage_summaries, strict=True):
+            part: dict[str, object] = {
+                "fractions": [s.to_dict(_BYTES_PER_ELEMENT) for s in summaries]
+            }
+            if show_m is not None:
+                part["plan"] = _plan_json(plans[show_m])
+            if stages > 1:
+                part["layers"] = [shape.name for shape in run]
+            parts.append(part)
+        if stages > 1:
+            out["stages"] = parts
+        else:
+            out.update(parts[0])
         print(json.dumps(out, indent=2))
         return 0
 
+    where = (
+        f"world size {n}"
+        if stages == 1
+        else f"world size {world} = {stages} pipeline stages x {n} data-parallel ranks"
+    )
     print(
-        f"{args.model}: {len(shapes)} K-FAC layers, world size {n}, "
+        f"{args.model}: {len(shapes)} K-FAC layers, {where}, "
         f"assignment_strategy={strategy!r}, colocate_factors={args.colocate}, "
         f"compute_method={method!r}"
         + (f", eigen_outer_product={args.eigen_outer_product}" if method == "eigen" else "")
@@ -344,18 +452,26 @@ def _run(argv: Sequence[str]) -> int:
         + ", factor_update_steps="
         f"{args.factor_update_steps}, inv_update_steps={args.inv_update_steps}"
     )
-    print()
-    print(_tables(summaries))
-    if show_m is not None:
-        plan = plans[show_m]
-        load = plan.decomposition_cost()
+    for k, (run, plans, summaries) in enumerate(
+        zip(runs, stage_plans, stage_summaries, strict=True)
+    ):
         print()
-        print(plan.describe())
-        busiest = max(range(n), key=lambda r: (load[r], -r))
-        print(
-            f"busiest rank {busiest}: decomposition cost {load[busiest]:.4g} "
-            f"({strategy}), imbalance {plan.imbalance():.2f}"
-        )
+        if stages > 1:
+            print(
+                f"stage {k}: {len(run)} layers ({run[0].name} .. {run[-1].name}), "
+                f"planned over its {n} data-parallel ranks"
+            )
+        print(_tables(summaries))
+        if show_m is not None:
+            plan = plans[show_m]
+            load = plan.decomposition_cost()
+            print()
+            print(plan.describe())
+            busiest = max(range(n), key=lambda r: (load[r], -r))
+            print(
+                f"busiest rank {busiest}: decomposition cost {load[busiest]:.4g} "
+                f"({strategy}), imbalance {plan.imbalance():.2f}"
+            )
     return 0
 
 

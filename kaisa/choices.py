@@ -1,0 +1,41 @@
+"""Every string option's allowed values, defined once.
+
+The options (:mod:`kaisa.options`), the maths (:mod:`kaisa.curvature`), the
+plan (:mod:`kaisa.distributed`), the command lines and the docs read these;
+each ``Literal`` type and its tuple of values are the same list.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+ComputeMethod = Literal["eigen", "inverse"]
+"""How a factor is solved: an eigendecomposition, or the damped inverse."""
+COMPUTE_METHODS: tuple[ComputeMethod, ...] = get_args(ComputeMethod)
+
+DampingMode = Literal["absolute", "relative"]
+"""Damping added as is, or relative to each factor's mean eigenvalue."""
+DAMPING_MODES: tuple[DampingMode, ...] = get_args(DampingMode)
+
+FactorInit = Literal["identity", "first_batch"]
+"""What the running averages start from."""
+FACTOR_INITS: tuple[FactorInit, ...] = get_args(FactorInit)
+
+ConvEstimator = Literal["expand", "reduce"]
+"""Conv factors from every patch, or from per-sample patch means."""
+CONV_ESTIMATORS: tuple[ConvEstimator, ...] = get_args(ConvEstimator)
+
+AssignmentStrategy = Literal["compute", "memory"]
+"""What the plan balances across ranks: decomposition time or memory."""
+ASSIGNMENT_STRATEGIES: tuple[AssignmentStrategy, ...] = get_args(AssignmentStrategy)
+
+NamedFraction = Literal["comm-opt", "hybrid-opt", "mem-opt"]
+"""The gradient-worker fractions with names (KAISA's three strategies)."""
+NAMED_FRACTIONS: tuple[NamedFraction, ...] = get_args(NamedFraction)
+
+
+def one_of(name: str, value: object, allowed: tuple[str, ...]) -> str:
+    """``value`` lower-cased if it is one of ``allowed``; else a ``ValueError`` naming both."""
+    if not isinstance(value, str) or value.lower() not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+    return value.lower()
