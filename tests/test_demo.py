@@ -8,6 +8,7 @@ torch thread.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import gzip
 import importlib.util
@@ -38,6 +39,8 @@ from kaisa.demo.report import format_summary, summary_markdown, verdict
 from kaisa.demo.train import train_arms_in_lockstep, warmup_cosine
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The ``kaisa`` console script's entry point, run by this interpreter.
+KAISA = [sys.executable, "-c", "import sys; from kaisa.cli import main; sys.exit(main())"]
 TINY_ARGS = [
     "--workload",
     "gap_cnn",
@@ -393,7 +396,7 @@ def test_demo_progress_on_a_terminal(tiny: Path, tmp_path: Path, columns: int) -
     out = tmp_path / "out"
     args = [a for a in TINY_ARGS if a != "--no-progress"]
     args[args.index("--seeds") + 1] = "0"
-    cmd = [sys.executable, "-m", "kaisa.cli", "demo", "--data-dir", str(tiny), "--out", str(out)]
+    cmd = [*KAISA, "demo", "--data-dir", str(tiny), "--out", str(out)]
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
     proc = subprocess.Popen(
@@ -434,6 +437,74 @@ def test_demo_progress_on_a_terminal(tiny: Path, tmp_path: Path, columns: int) -
     _check_outputs(out)
 
 
+@pytest.mark.timeout(60)
+def test_demo_progress_lines_when_the_output_is_not_a_terminal(tiny: Path, tmp_path: Path) -> None:
+    """Output to a pipe (``make demo > log``, CI) gets plain progress lines, not tqdm bars.
+
+    With ``--progress-every 0`` every arm prints one line after each step: the
+    workload, arm, seed, step, elapsed time, training clock and last test accuracy.
+    """
+    out = tmp_path / "out"
+    args = [a for a in TINY_ARGS if a != "--no-progress"]
+    args[args.index("--seeds") + 1] = "0"
+    cmd = [*KAISA, "demo", "--data-dir", str(tiny), "--out", str(out)]
+    proc = subprocess.run(
+        [*cmd, *args, "--progress-every", "0"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env=_env(),
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "\r" not in proc.stdout and "\x1b" not in proc.stdout  # no bar redrawn in place
+    line = re.compile(
+        r"^\[progress\] workload gap_cnn, arm (\S+), seed 0: step (\d+)/16 \(epoch ([12])/2\), "
+        r"elapsed \d+\.\d s, train clock \d+\.\d s, last test acc (none yet|[01]\.\d{4})$"
+    )
+    seen: dict[str, list[tuple[int, int, str]]] = {"sgd": [], "kaisa-sgd": []}
+    for text in proc.stdout.splitlines():
+        if text.startswith("[progress]"):
+            match = line.match(text)
+            assert match, text
+            arm, step, epoch, acc = match.groups()
+            seen[arm].append((int(step), int(epoch), acc))
+    for arm, points in seen.items():
+        assert [p[0] for p in points] == list(range(1, 17)), (arm, proc.stdout)
+        assert all(epoch == (step - 1) // 8 + 1 for step, epoch, _ in points), points
+        # Evaluated every 4 steps: no accuracy before step 4, then the last one.
+        assert [acc == "none yet" for _, _, acc in points] == [True] * 3 + [False] * 13
+    # The end-of-epoch lines are still there, one per arm and epoch.
+    assert proc.stdout.count("(training ") == 4, proc.stdout
+    _check_outputs(out)
+
+
+def test_help_ends_every_option_with_its_default_in_one_style() -> None:
+    """Each option's help says "(default: ...)" once, at its end; no other style."""
+    from kaisa.demo.cli import _parser
+
+    parser = _parser()
+    options = [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+    assert len(options) > 30
+    for action in options:
+        text = action.help or ""
+        assert text.count("(default: ") == 1 and text.endswith(")"), action.option_strings
+        assert not re.search(r"\[[^\]]*\]", text), action.option_strings  # the old "[x]"
+    shown = " ".join(parser.format_help().split())
+    for expected in (
+        "epoch budget for every workload (default: the workload's)",
+        "(default: the workload's)",
+        "global batch (default: 128)",
+        "(default: 0,1,2)",
+        "(default: gap_cnn,small_cnn,vit)",
+        "Tikhonov damping (default: the library's, ",
+        "(default: runs/demo-<timestamp>)",
+        "--no-progress no progress bars on a terminal, no progress lines otherwise (default: off)",
+    ):
+        assert expected in shown, expected
+    assert shown.count("(default: ") == len(options)
+
+
 @pytest.mark.timeout(120)
 def test_demo_two_processes(tiny: Path, tmp_path: Path) -> None:
     """Every arm runs under torchrun with DDP (one epoch, one seed)."""
@@ -444,7 +515,7 @@ def test_demo_two_processes(tiny: Path, tmp_path: Path) -> None:
     args[args.index("--threads") + 1] = "2"
     args[args.index("--epochs") + 1] = "1"
     args[args.index("--arms") + 1] = ",".join(arms)
-    cmd = [sys.executable, "-m", "kaisa.cli", "demo", "--data-dir", str(tiny), "--out", str(out)]
+    cmd = [*KAISA, "demo", "--data-dir", str(tiny), "--out", str(out)]
     proc = subprocess.run(
         [*cmd, *args, "--nproc", "2", "--grad-worker-fraction", "0.5"],
         capture_output=True,
@@ -514,7 +585,7 @@ def test_bad_input_from_the_command_line(tmp_path: Path) -> None:
     d = _corrupt(write_tiny(tmp_path / "d", 40, 10))
     for args in (["--data-dir", str(d)], ["--data-dir", str(d), "--target", "2"]):
         proc = subprocess.run(
-            [sys.executable, "-m", "kaisa.cli", "demo", *args, "--out", str(tmp_path / "o")],
+            [*KAISA, "demo", *args, "--out", str(tmp_path / "o")],
             capture_output=True,
             text=True,
             timeout=50,

@@ -17,6 +17,7 @@ and exit code 2, without a traceback.
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import os
 import sys
@@ -64,6 +65,7 @@ DEFAULTS: dict[str, Any] = {
     "nproc": 1,
     "eval_every": 100,
     "stop_at_target": True,
+    "progress_seconds": 30.0,
 }
 """The full run's settings (``make demo``); each workload's target and epoch
 budget come from :data:`~kaisa.demo.config.WORKLOADS`, each arm's peak
@@ -95,15 +97,6 @@ _QUICK_OPTIONS = {"workloads": "workload"}
 
 class DemoError(Exception):
     """Bad input: reported as one line and exit code 2."""
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except the empty ones (the help text gives those)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -259,9 +252,43 @@ def _lr_overrides(text: str) -> dict[str, float]:
 
 
 def _show(value: Any) -> str:
+    """A default as the help shows it: lists comma-separated, flags as on/off."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
     if isinstance(value, tuple):
-        return ",".join(str(v) for v in value)
+        return ",".join(_show(v) for v in value)
+    if isinstance(value, float):
+        return f"{value:g}"
     return str(value)
+
+
+def _option(
+    group: Any, *flags: str, help: str, default_text: str | None = None, **kwargs: Any
+) -> None:
+    """Add an option whose help ends in its default, "(default: ...)", the one style.
+
+    ``default_text`` describes a default that is not a value (the workload's,
+    the library's, ...); without it the help shows ``kwargs["default"]``.
+    """
+    shown = default_text if default_text is not None else _show(kwargs["default"])
+    text = f"{help} (default: {shown})"
+    group.add_argument(*flags, help=text.replace("%", "%%"), **kwargs)
+
+
+def _library_default(name: str) -> str:
+    """``kaisa.KFACPreconditioner``'s default for ``name``, as the help shows it."""
+    shown = "the library's"
+    try:
+        from kaisa import KFACPreconditioner
+
+        default = inspect.signature(KFACPreconditioner).parameters[name].default
+    except (ImportError, KeyError, TypeError, ValueError):  # pragma: no cover - defensive
+        return shown
+    if default is inspect.Parameter.empty:  # pragma: no cover - defensive
+        return shown
+    if default is None:
+        return f"{shown}, chosen automatically"
+    return f"{shown}, {default}"
 
 
 def _parser() -> _Parser:
@@ -280,77 +307,110 @@ def _parser() -> _Parser:
             "epoch budget and learning-rate schedule shape (linear warm-up, then cosine) on "
             "their own peak LR; the arms of a seed train in lockstep and the clock excludes "
             "evaluation. Outputs: OUT/<workload>/{results.json,evaluations.csv,accuracy.png} "
-            "and OUT/summary.{json,md}."
+            "and OUT/summary.{json,md}. On a terminal every arm shows a progress bar; when the "
+            "output is not a terminal (a log file, CI) every arm prints a plain progress line "
+            "every --progress-every seconds instead."
         ),
-        formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("data and workloads")
-    g.add_argument(
+    _option(
+        g,
         "--data-dir",
         default=os.environ.get("KAISA_DATA_DIR", DEFAULT_DATA_DIR),
         help="directory with the four Fashion-MNIST IDX .gz files",
+        default_text=f"$KAISA_DATA_DIR if set, else {DEFAULT_DATA_DIR}",
     )
-    g.add_argument(
+    _option(
+        g,
         "--workload",
         type=_workloads,
-        help=(
-            "comma-separated workloads, each with its own target and epoch budget: "
-            + ", ".join(
-                f"{w.name} ({w.target_accuracy:.0%} in {w.epochs} epochs"
-                + (", provisional" if w.provisional else "")
-                + ")"
-                for w in WORKLOADS.values()
-            )
-            + f" [{_show(d['workloads'])}]"
-        ).replace("%", "%%"),
+        help="comma-separated workloads, each with its own target and epoch budget: "
+        + ", ".join(
+            f"{w.name} ({w.target_accuracy:.0%} in {w.epochs} epochs"
+            + (", provisional" if w.provisional else "")
+            + ")"
+            for w in WORKLOADS.values()
+        ),
+        default_text=_show(d["workloads"]),
     )
-    g.add_argument(
+    _option(
+        g,
         "--model",
         type=_workload,
         help="deprecated: the same as --workload with a single name",
+        default_text="none; use --workload",
     )
     g = p.add_argument_group("arms and learning rates")
-    g.add_argument(
+    _option(
+        g,
         "--arms",
         type=_arms,
-        help=f"comma-separated arms: {', '.join(ARM_NAMES)} ('kaisa' = kaisa-sgd) [all]",
+        help=f"comma-separated arms: {', '.join(ARM_NAMES)} ('kaisa' = kaisa-sgd)",
+        default_text="all",
     )
-    g.add_argument(
+    _option(
+        g,
         "--lr",
         type=_lr_overrides,
         metavar="ARM=LR[,...]",
         help="peak learning rates for every workload, e.g. sgd=0.1,muon=0.02 (Muon: the "
-        "matrix LR; its AdamW group runs at 0.1x) [from --lr-file, else the fallback table]",
+        "matrix LR; its AdamW group runs at 0.1x)",
+        default_text="the --lr-file's LR for the workload and arm, else the fallback table",
     )
-    g.add_argument("--sgd-lr", type=_positive_float, help="the same as --lr sgd=LR")
-    g.add_argument("--kaisa-lr", type=_positive_float, help="the same as --lr kaisa-sgd=LR")
-    g.add_argument(
+    _option(
+        g,
+        "--sgd-lr",
+        type=_positive_float,
+        help="the same as --lr sgd=LR",
+        default_text="as for --lr",
+    )
+    _option(
+        g,
+        "--kaisa-lr",
+        type=_positive_float,
+        help="the same as --lr kaisa-sgd=LR",
+        default_text="as for --lr",
+    )
+    _option(
+        g,
         "--lr-file",
         type=Path,
-        help="best peak LR per (workload, arm), as written by benchmarks/lr_sweep.py --suite "
-        f"[{DEFAULT_LR_FILE.relative_to(DEFAULT_LR_FILE.parents[2])} in a source checkout]",
+        help="best peak LR per (workload, arm), as written by benchmarks/lr_sweep.py --suite",
+        default_text=f"{DEFAULT_LR_FILE.relative_to(DEFAULT_LR_FILE.parents[2])} in a source "
+        "checkout, if there",
     )
     g = p.add_argument_group("training (all arms)")
-    g.add_argument(
-        "--epochs", type=_positive_int, help="epoch budget for every workload [the workload's]"
+    _option(
+        g,
+        "--epochs",
+        type=_positive_int,
+        help="epoch budget for every workload",
+        default_text="the workload's",
     )
-    g.add_argument("--batch-size", type=_positive_int, default=d["batch_size"], help="global batch")
-    g.add_argument(
+    _option(g, "--batch-size", type=_positive_int, default=d["batch_size"], help="global batch")
+    _option(
+        g,
         "--warmup-epochs",
         type=_nonnegative_float,
         default=d["warmup_epochs"],
         help="linear warm-up length, then cosine decay to 0",
     )
-    g.add_argument(
-        "--momentum", type=_fraction, default=d["momentum"], help="SGD momentum (sgd, kaisa-sgd)"
+    _option(
+        g,
+        "--momentum",
+        type=_fraction,
+        default=d["momentum"],
+        help="SGD momentum (sgd, kaisa-sgd)",
     )
-    g.add_argument(
+    _option(
+        g,
         "--weight-decay",
         type=_nonnegative_float,
         default=d["weight_decay"],
         help="SGD's coupled weight decay (sgd, kaisa-sgd)",
     )
-    g.add_argument(
+    _option(
+        g,
         "--adamw-weight-decay",
         type=_nonnegative_float,
         default=d["adamw_weight_decay"],
@@ -362,92 +422,161 @@ def _parser() -> _Parser:
         "The kaisa arms use kaisa.KFACPreconditioner's defaults; each option here overrides "
         "one of them for every workload.",
     )
-    g.add_argument(
-        "--factor-update-steps", type=_positive_int, help="update the factors every N steps"
+    _option(
+        g,
+        "--factor-update-steps",
+        type=_positive_int,
+        help="update the factors every N steps",
+        default_text=_library_default("factor_update_steps"),
     )
-    g.add_argument(
-        "--inv-update-steps", type=_positive_int, help="recompute the eigenbases every N steps"
+    _option(
+        g,
+        "--inv-update-steps",
+        type=_positive_int,
+        help="recompute the eigenbases every N steps",
+        default_text=_library_default("inv_update_steps"),
     )
-    g.add_argument("--damping", type=_positive_float, help="Tikhonov damping")
-    g.add_argument("--kl-clip", type=_kl_clip, help="KL clip; 'none' turns it off")
-    g.add_argument("--factor-decay", type=_fraction, help="running-average decay of the factors")
-    g.add_argument(
+    _option(
+        g,
+        "--damping",
+        type=_positive_float,
+        help="Tikhonov damping",
+        default_text=_library_default("damping"),
+    )
+    _option(
+        g,
+        "--kl-clip",
+        type=_kl_clip,
+        help="KL clip; 'none' turns it off",
+        default_text=_library_default("kl_clip"),
+    )
+    _option(
+        g,
+        "--factor-decay",
+        type=_fraction,
+        help="running-average decay of the factors",
+        default_text=_library_default("factor_decay"),
+    )
+    _option(
+        g,
         "--conv-factor-estimator",
         choices=CONV_ESTIMATORS,
         help="conv factors from every patch ('expand') or per-sample patch means ('reduce')",
+        default_text=_library_default("conv_factor_estimator"),
     )
-    g.add_argument(
+    _option(
+        g,
         "--damping-mode",
         choices=DAMPING_MODES,
         help="damping added as is or relative to each factor's mean eigenvalue",
+        default_text=_library_default("damping_mode"),
     )
-    g.add_argument(
+    _option(
+        g,
         "--factor-init",
         choices=FACTOR_INITS,
         help="factors start as the identity or as the first batch's factors",
+        default_text=_library_default("factor_init"),
     )
-    g.add_argument(
+    _option(
+        g,
         "--grad-worker-fraction",
         type=_gwf,
         help="KAISA gradient-worker fraction with --nproc (1: COMM-OPT, 1/N: MEM-OPT)",
+        default_text=_library_default("grad_worker_fraction"),
     )
     g = p.add_argument_group("measurement")
-    g.add_argument(
+    _option(
+        g,
         "--target",
         type=_target,
-        help="target test accuracy (a fraction) for every workload [the workload's]",
+        help="target test accuracy (a fraction) for every workload",
+        default_text="the workload's",
     )
-    g.add_argument(
+    _option(
+        g,
         "--seeds",
         type=_seeds,
-        help=f"comma-separated seeds; results are medians over them [{_show(d['seeds'])}]",
+        help="comma-separated seeds; results are medians over them",
+        default_text=_show(d["seeds"]),
     )
-    g.add_argument(
-        "--eval-every", type=_positive_int, help=f"evaluate every N steps [{d['eval_every']}]"
+    _option(
+        g,
+        "--eval-every",
+        type=_positive_int,
+        help="evaluate every N steps",
+        default_text=_show(d["eval_every"]),
     )
-    g.add_argument(
+    _option(
+        g,
         "--eval-every-near",
         type=_positive_int,
-        help="evaluate every N steps while within 1 point below the target [eval-every / 4]",
+        help="evaluate every N steps while within 1 point below the target",
+        default_text="--eval-every / 4",
     )
-    g.add_argument(
+    _option(
+        g,
         "--stop-at-target",
         action=argparse.BooleanOptionalAction,
         default=d["stop_at_target"],
         help="end each run at the first evaluation that reaches the target (the time to the "
         "target is unchanged; 'final' accuracy is then the accuracy there)",
     )
-    g.add_argument(
+    _option(
+        g,
         "--threads",
         type=_positive_int,
         default=d["threads"],
         help="torch threads in all, divided among the --nproc processes (at least 1 each)",
     )
-    g.add_argument(
+    _option(
+        g,
         "--nproc",
         type=_positive_int,
         default=d["nproc"],
         help="processes (torchrun + gloo, DDP for every arm, KAISA distributed); the batch is "
         "split among them",
     )
-    g.add_argument(
+    _option(
+        g,
         "--quick",
         action="store_true",
         help="a version of about two minutes: "
         + ", ".join(f"--{_QUICK_OPTIONS.get(k, k)} {_show(v)}" for k, v in QUICK.items()),
+        default_text="off",
     )
-    g.add_argument(
+    _option(
+        g,
         "--out",
-        help="output directory (default: runs/demo-<timestamp>)",
+        help="output directory",
+        default_text="runs/demo-<timestamp>",
     )
-    g.add_argument(
+    _option(
+        g,
         "--sequential",
         action="store_true",
         help="train the arms one after the other instead of in lockstep (one step of each "
         "in turn, so that the machine's load falls on all alike); gives each arm its own "
         "peak memory",
+        default_text="off",
     )
-    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _option(
+        g,
+        "--progress-every",
+        type=_nonnegative_float,
+        default=d["progress_seconds"],
+        metavar="SECONDS",
+        help="when the output is not a terminal, print a progress line per arm (workload, "
+        "arm, seed, step, elapsed time, last test accuracy) every SECONDS; 0: after every "
+        "step",
+    )
+    _option(
+        g,
+        "--no-progress",
+        action="store_true",
+        help="no progress bars on a terminal, no progress lines otherwise",
+        default_text="off",
+    )
     return p
 
 
@@ -569,6 +698,7 @@ def build_config(args: argparse.Namespace) -> SuiteConfig:
                 threads=max(1, args.threads // args.nproc),
                 nproc=args.nproc,
                 progress=not args.no_progress,
+                progress_seconds=args.progress_every,
                 quick=args.quick,
                 lockstep=not args.sequential,
                 workload=name,

@@ -443,6 +443,10 @@ class DemoConfig:
     threads: int = 2
     nproc: int = 1
     progress: bool = True
+    #: With ``progress`` and an output that is not a terminal (a log file,
+    #: CI), each arm prints a plain progress line at most this often (wall
+    #: seconds; 0: after every step) in place of the terminal's tqdm bars.
+    progress_seconds: float = 30.0
     quick: bool = False
     #: Train and evaluate in ``torch.channels_last`` (all arms): the same
     #: maths, GapCNN steps about 1.3x faster on the CPUs measured here

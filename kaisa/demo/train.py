@@ -21,6 +21,11 @@ Under ``torch.distributed`` (a ``--nproc`` run) every rank sees the same
 global batch order and trains on its own slice of each global batch, so the
 global batch size, and with it the optimisation problem, does not depend on
 the number of processes. Evaluation is split across ranks the same way.
+
+Progress (rank 0, unless ``DemoConfig.progress`` is off): on a terminal a
+tqdm bar per arm and epoch; on any other output (a log file, CI) one line per
+arm and epoch at the epoch's end, and between them a plain progress line per
+arm every ``DemoConfig.progress_seconds`` (:class:`_ProgressLines`).
 """
 
 from __future__ import annotations
@@ -464,6 +469,11 @@ def _arm_run(
         loss_sum, loss_count, last_acc = 0.0, 0, acc
 
     show = progress and dist.is_main
+    lines = (
+        _ProgressLines(config, arm.name, seed, total_steps)
+        if show and _terminal_columns() == 0
+        else None
+    )
     for epoch in range(config.epochs):
         perm = torch.randperm(n_train, generator=order)
         desc = f"{arm.name:>11} seed {seed} epoch {epoch + 1}/{config.epochs}"
@@ -508,6 +518,8 @@ def _arm_run(
                 next_eval = step + _eval_interval(config, last_acc, reached)
                 if reached and stop_at_target:
                     break
+            if lines is not None:
+                lines.step(step, epoch, clock, last_acc)
             yield
         if bar is not None:
             final = "diverged" if result.diverged else f"loss {epoch_loss / steps_per_epoch:.3f}"
@@ -591,3 +603,47 @@ class _EpochBar:
             self._bar.close()
         else:
             print(f"{self._desc}: {self._post} (training {train_seconds:.1f} s)", flush=True)
+
+
+def _duration(seconds: float) -> str:
+    """``42.3 s``, ``3m05s``, ``1h02m05s``."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    whole = int(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+class _ProgressLines:
+    """Progress of one arm's run as plain lines, for output that is not a terminal.
+
+    A log file or a CI job gets nothing from tqdm's bars, which redraw one
+    line in place; instead, whenever ``config.progress_seconds`` of wall time
+    have passed since the arm's last line (or its start), one line names the
+    workload, arm and seed, the step, the wall time since the run started (in
+    lockstep that includes the other arms' steps and the evaluations), the
+    arm's training clock and the last test accuracy.
+    """
+
+    def __init__(self, config: DemoConfig, arm: str, seed: int, total_steps: int) -> None:
+        self._prefix = f"[progress] workload {config.name}, arm {arm}, seed {seed}"
+        self._epochs = config.epochs
+        self._total = total_steps
+        self._every = config.progress_seconds
+        self._start = time.perf_counter()
+        self._last = self._start
+
+    def step(self, step: int, epoch: int, train_seconds: float, last_acc: float | None) -> None:
+        """After a training step: print the line if it is time for one."""
+        now = time.perf_counter()
+        if now - self._last < self._every:
+            return
+        self._last = now
+        acc = "none yet" if last_acc is None else f"{last_acc:.4f}"
+        print(
+            f"{self._prefix}: step {step}/{self._total} (epoch {epoch + 1}/{self._epochs}), "
+            f"elapsed {_duration(now - self._start)}, train clock {_duration(train_seconds)}, "
+            f"last test acc {acc}",
+            flush=True,
+        )
