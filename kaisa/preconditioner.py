@@ -12,14 +12,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from kaisa.choices import COMPUTE_METHODS, DAMPING_MODES, FACTOR_INITS
 from kaisa.curvature.block import (
     OUTLIER_PATIENCE,
     OUTLIER_RATIO,
@@ -37,6 +40,7 @@ from kaisa.distributed.comm import Communicator, Payload, PayloadKey, default_wo
 from kaisa.distributed.plan import LayerShape, WorkPlan, make_plan
 from kaisa.layers import LayerHandler
 from kaisa.layers.base import Detachable, GradSelect
+from kaisa.layers.grads import grad_access_for
 from kaisa.layers.registry import Coverage, survey
 from kaisa.options import REFERENCE_DEFAULTS, KFACOptions
 from kaisa.telemetry import Telemetry
@@ -57,10 +61,10 @@ STATE_FORMAT = 2
 #: The options that shape the saved state, with their allowed values; the
 #: state dict records them.
 _STATE_OPTIONS: dict[str, tuple[object, ...]] = {
-    "compute_method": ("eigen", "inverse"),
-    "damping_mode": ("absolute", "relative"),
+    "compute_method": COMPUTE_METHODS,
+    "damping_mode": DAMPING_MODES,
     "compute_eigenvalue_outer_product": (True, False),
-    "factor_init": ("identity", "first_batch"),
+    "factor_init": FACTOR_INITS,
 }
 
 
@@ -93,6 +97,50 @@ def _legacy_method(saved: object, default: str) -> tuple[str, bool]:
     return method, "outer_inverse" in saved
 
 
+#: Functions of ``torch.distributed.pipelining`` that run the stage module on
+#: placeholder tensors to learn its shapes (the first step of a schedule).
+_SHAPE_INFERENCE = frozenset({"_forward_metadata_inference", "_shape_inference"})
+
+
+def _inferring_pipeline_shapes() -> bool:
+    """Whether this forward call comes from a pipeline stage's shape inference.
+
+    ``PipelineStage`` (without static ``input_args``/``output_args``) runs
+    the stage once on placeholders, with autograd on, and on the last stage
+    a backward pass through them: kaisa must not take that for a micro-batch.
+    """
+    if "torch.distributed.pipelining" not in sys.modules:
+        return False
+    frame = sys._getframe(1)
+    for _ in range(64):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name in _SHAPE_INFERENCE and "pipelining" in code.co_filename:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def _check_process_group(group: object) -> dist.ProcessGroup | None:
+    """``group`` if it is a usable data-parallel group (``None``: the whole world)."""
+    if group is None:
+        return None
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group gives non-members
+        raise ValueError(
+            "kaisa: process_group does not contain this process: build each "
+            "preconditioner on the members of its data-parallel group"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            "process_group must be a torch.distributed.ProcessGroup (e.g. from "
+            f"dist.new_group) or None for the whole world; got {type(group).__name__}"
+        )
+    if group is dist.GroupMember.WORLD:
+        return None
+    return group
+
+
 @dataclass
 class _Layer:
     """Runtime state of one registered layer (captures of the current step).
@@ -108,7 +156,11 @@ class _Layer:
     keys: tuple[PayloadKey, ...]
     called: bool = False
     pending: int = 0  # forward calls whose output gradient has not arrived yet
-    micro_batches: int = 0
+    micro_batches: int = 0  # passes whose every capture of this layer is complete
+    #: Per open pass (see ``KFACPreconditioner._pass_of``), its calls of this
+    #: layer whose output gradient has not arrived yet.
+    open_passes: dict[int, int] = field(default_factory=dict)
+    last_pass: int = 0  # the pass of the most recent call
     sums: dict[PayloadKey, torch.Tensor] = field(default_factory=dict)
     rows: dict[PayloadKey, int] = field(default_factory=dict)
     inputs: list[torch.Tensor] = field(default_factory=list)
@@ -124,6 +176,8 @@ class _Layer:
         self.extra_passes = 0
         self.pending = 0
         self.micro_batches = 0
+        self.open_passes.clear()
+        self.last_pass = 0
         self.sums.clear()
         self.rows.clear()
         self.inputs.clear()
@@ -182,10 +236,12 @@ class KFACPreconditioner:
     to COMM-OPT (``1``).
 
     Args:
-        model: the model (plain, or wrapped in DDP); its ``nn.Linear``,
-            ``nn.Conv1d``/``nn.Conv2d`` (groups = 1), ``nn.MultiheadAttention``
-            (four blocks) and ``nn.Embedding`` layers are registered
-            (:meth:`coverage` lists every parameter's treatment).
+        model: the model (plain, wrapped in DDP, a DeepSpeed engine with ZeRO
+            stage 0, 1 or 2, or sharded with FSDP2's ``fully_shard``: build the
+            preconditioner after those; ``docs/deepspeed-fsdp.md``); its
+            ``nn.Linear``, ``nn.Conv1d``/``nn.Conv2d`` (groups = 1),
+            ``nn.MultiheadAttention`` (four blocks) and ``nn.Embedding`` layers
+            are registered (:meth:`coverage` lists every parameter's treatment).
         factor_update_steps: update the factors every this many steps.
         inv_update_steps: recompute the second-order state every this many steps.
         damping: Tikhonov damping ``γ`` (>= 1e-12: below, no float32 or float64
@@ -193,7 +249,8 @@ class KFACPreconditioner:
         factor_decay: running-average decay ``ξ`` in ``[0, 1)``.
         kl_clip: KL-clipping bound ``κ`` (> 0), or ``None`` to turn clipping off.
         lr: learning rate used by KL clipping (should follow the optimizer's).
-        accumulation_steps: forward/backward passes per ``step()``.
+        accumulation_steps: forward/backward passes per ``step()`` (default 1;
+            with a DeepSpeed engine, its ``gradient_accumulation_steps``).
         allreduce_bucket_cap_mb: size bound of one factor all-reduce bucket.
         assignment_strategy: balance decompositions by 'compute' (``n³``) or
             'memory' (``n²``).
@@ -242,6 +299,13 @@ class KFACPreconditioner:
             representation and the intervals left as ``None`` to fit it
             (:mod:`kaisa.curvature.budget`; ``curvature_choice`` holds the
             outcome). The choice depends on the rows each rank sees.
+        process_group: the data-parallel group over which this model's layers
+            are replicated (default: the whole world). KAISA's plan, its
+            collectives and the agreement check span this group only, so
+            each pipeline stage (or model-parallel shard) builds its own
+            preconditioner over the replicas of its own layers; only the
+            group's members construct it. Gradients must already be averaged
+            over the group when ``step()`` runs (as DDP with this group does).
 
     ``factor_update_steps``, ``inv_update_steps`` and ``factor_decay`` default
     to ``None``: chosen by the budget (the decay keeps a 200-step averaging
@@ -260,7 +324,7 @@ class KFACPreconditioner:
         factor_decay: float | Callable[[int], float] | None = None,
         kl_clip: float | Callable[[int], float] | None = 0.003,
         lr: float | Callable[[int], float] = 0.1,
-        accumulation_steps: int = 1,
+        accumulation_steps: int | None = None,
         allreduce_bucket_cap_mb: float = 25.0,
         assignment_strategy: str = "compute",
         colocate_factors: bool = True,
@@ -279,9 +343,15 @@ class KFACPreconditioner:
         factor_init: str = "first_batch",
         curvature: str | tuple[str, str] | Mapping[str, str | tuple[str, str]] = "auto",
         time_budget: float = 0.1,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+        # How gradients are read and written, from what the model is (plain, DDP,
+        # a DeepSpeed engine, FSDP2); the engine also fixes accumulation and scale.
+        grad_access = grad_access_for(model)
+        accumulation_steps = grad_access.accumulation_steps(accumulation_steps)
+        grad_scaler = grad_access.grad_scaler(grad_scaler)
         skip: Any = skip_layers
         if isinstance(skip, Iterable) and not isinstance(skip, (str, list, tuple)):
             skip = list(skip)
@@ -326,8 +396,15 @@ class KFACPreconditioner:
                 "does not exclude"
             )
         self.model = model
+        self._grads = grad_access
+        self._warned_no_grads = False
+        self._grads.bind([p for _, handler in found for p in handler.parameters()])
+        for _, handler in found:
+            handler.grads = grad_access
         self._treatments = surveyed.treatments
-        self.rank, self.world_size = default_world()
+        #: The data-parallel group KAISA plans over (``None``: the whole world).
+        self.process_group = _check_process_group(process_group)
+        self.rank, self.world_size = default_world(self.process_group)
         # A side the user fixes wins; else the layer kind's own (an embedding's
         # diagonal A); else the automatic choice.
         self._fixed = {
@@ -370,7 +447,8 @@ class KFACPreconditioner:
                 factor_dtype=self.factor_dtype,
                 inv_dtype=self.inv_dtype,
                 product_dtype=self.product_dtype,
-            )
+            ),
+            self.process_group,
         )
         self.telemetry = Telemetry()
         self.comm = Communicator(
@@ -382,6 +460,7 @@ class KFACPreconditioner:
             device=self.device,
             dtype=self.factor_dtype,
             layout=self._layout(),
+            group=self.process_group,
         )
         self._grad_scale = self.options.grad_scale_reader()
         self._step_scale: float | None = None
@@ -394,6 +473,9 @@ class KFACPreconditioner:
         self._handles: list[Detachable] = [
             layer.handler.attach(functools.partial(self._capture, layer)) for layer in self.layers
         ]
+        self._root_passes = 0  # the model's training forward calls since the last step()
+        self._ignored_passes: set[int] = set()  # of those, a pipeline's shape inference
+        self._handles.append(model.register_forward_pre_hook(self._root_forward))
         self._reported_idle: set[str] = set()
         self._reported_outliers: set[str] = set()
         self._warned_scaled = False
@@ -563,30 +645,61 @@ class KFACPreconditioner:
         self, layer: _Layer, x: torch.Tensor, output: torch.Tensor, select: GradSelect
     ) -> None:
         """One call of a layer: its input ``x`` and its output (whose gradient gives ``δ``)."""
+        if not (layer.handler.module.training and torch.is_grad_enabled() and output.requires_grad):
+            return  # evaluation, or no gradient will reach this call
         layer.called = True
-        if not (
-            layer.handler.module.training
-            and torch.is_grad_enabled()
-            and output.requires_grad
-            and self._capture_this_step
-        ):
+        if not self._capture_this_step:
             return
-        if layer.micro_batches >= self.options.accumulation_steps:
+        pass_id = self._pass_of(layer)
+        if pass_id in self._ignored_passes:
+            return
+        if (
+            pass_id not in layer.open_passes
+            and layer.micro_batches >= self.options.accumulation_steps
+        ):
             # A pass beyond accumulation_steps: step() refuses it (with several
             # ranks the factors are already on their way).
             layer.extra_passes += 1
             return
         with self.telemetry.timer("capture"):
             layer.pending += 1
+            layer.open_passes[pass_id] = layer.open_passes.get(pass_id, 0) + 1
             # The input enters A only when its output gradient arrives: a forward
             # whose backward never runs leaves no trace in the factors. Autograd
             # holds the input for the weight gradient anyway.
             output.register_hook(  # type: ignore[no-untyped-call]
-                functools.partial(self._grad_output_hook, layer, select, x.detach())
+                functools.partial(self._grad_output_hook, layer, select, x.detach(), pass_id)
             )
 
+    def _root_forward(self, module: nn.Module, args: object) -> None:
+        """A forward pass of the whole model (while training with autograd on) begins."""
+        if module.training and torch.is_grad_enabled():
+            self._root_passes += 1
+            if _inferring_pipeline_shapes():
+                self._ignored_passes.add(self._root_passes)
+
+    def _pass_of(self, layer: _Layer) -> int:
+        """The forward/backward pass a call of ``layer`` belongs to.
+
+        The model's own forward calls number the passes (pipeline schedules
+        run several micro-batches' forwards before their backwards, so passes
+        overlap). Without them (layers called outside the model's forward) a
+        call starts a new pass when none of the layer's calls is waiting for
+        its gradient.
+        """
+        if self._root_passes:
+            return self._root_passes
+        if not layer.open_passes:
+            layer.last_pass -= 1  # negative: apart from the model's numbering
+        return layer.last_pass
+
     def _grad_output_hook(
-        self, layer: _Layer, select: GradSelect, x: torch.Tensor, grad: torch.Tensor
+        self,
+        layer: _Layer,
+        select: GradSelect,
+        x: torch.Tensor,
+        pass_id: int,
+        grad: torch.Tensor,
     ) -> None:
         with torch.autocast(self.device.type, enabled=False):
             with self.telemetry.timer("capture"):
@@ -609,14 +722,19 @@ class KFACPreconditioner:
                 layer.inputs.append(x)
                 layer.grad_outputs.append(delta)
             layer.pending -= 1
-            if layer.pending == 0:
-                layer.micro_batches += 1
-                if (
-                    self.comm.distributed
-                    and self.options.update_factors_in_hook
-                    and layer.micro_batches == self.options.accumulation_steps
-                ):
-                    self._submit(layer)
+            left = layer.open_passes[pass_id] - 1
+            if left:
+                layer.open_passes[pass_id] = left
+                return
+            del layer.open_passes[pass_id]
+            layer.micro_batches += 1
+            if (
+                self.comm.distributed
+                and self.options.update_factors_in_hook
+                and layer.micro_batches == self.options.accumulation_steps
+                and not layer.open_passes
+            ):
+                self._submit(layer)
 
     def _factor_sums(self, layer: _Layer) -> Payload | None:
         """This step's capture sums per key and their row counts, ``None`` without captures.
@@ -658,7 +776,11 @@ class KFACPreconditioner:
         """Precondition the gradients of the registered layers, in place.
 
         Call after the backward pass(es) of a step and before ``optimizer.step()``.
+        With a DeepSpeed engine call it after every ``engine.backward()``: on the
+        micro-steps where the engine only accumulates it does nothing.
         """
+        if not self._grads.at_boundary():
+            return  # a DeepSpeed micro-step inside an accumulation cycle
         # Every schedule is read (and checked) before anything changes: a bad
         # value raises here, leaving captures, factors and the step count as
         # they were.
@@ -695,7 +817,10 @@ class KFACPreconditioner:
         finally:
             for layer in self.layers:
                 layer.reset()
+            self._root_passes = 0
+            self._ignored_passes.clear()
             self._step_scale = None
+            self._grads.release()
             self._steps += 1
             self._capture_this_step = self._is_factor_step()
             self.telemetry.end_step()
@@ -719,6 +844,7 @@ class KFACPreconditioner:
                     stacklevel=4,  # _update_factors, step, torch's no_grad wrapper, user
                 )
                 layer.pending = 0
+                layer.open_passes.clear()
             if not layer.submitted:
                 self._submit(layer)
         payloads = self.comm.reduced_factors()
@@ -750,7 +876,9 @@ class KFACPreconditioner:
         names = [name for name in (layer.name for layer in self.layers) if name in reduced]
         # Each parameter once (attention projections share theirs).
         params = {id(p): p for layer in self.layers for p in layer.handler.parameters()}
-        grads = [p.grad for p in params.values() if p.grad is not None]
+        # (Read through the gradient access: ZeRO's partitions, FSDP2's shards.)
+        read = (self._grads.read(p) for p in params.values())
+        grads = [g for g in read if g is not None]
         # One host sync for all checks: finite factors, finite gradients (an AMP
         # overflow must not reach the running averages), and captured anywhere.
         # A tensor whose sum is finite has only finite entries (NaN and ±inf
@@ -871,19 +999,41 @@ class KFACPreconditioner:
                     preconditioned = torch.empty_like(grad)
                 pairs.append((layer, preconditioned, grad))
                 sends.append((self.plan.gradient_source(layer.name, rank), preconditioned))
+        if not pairs and not self._warned_no_grads:
+            ran = [
+                la.name for la, c in zip(self.layers, called, strict=True) if c and not la.dormant
+            ]
+            if ran:
+                self._warned_no_grads = True
+                warnings.warn(
+                    f"kaisa: step() found no gradient on any registered layer, though "
+                    f"{len(ran)} ran this step (e.g. {ran[0]!r}): nothing was preconditioned. "
+                    "Likely causes: DeepSpeed ZeRO-1/2 keeps gradients in partitioned buffers "
+                    "(.grad is None): build the preconditioner on the engine deepspeed."
+                    "initialize returned; a wrapper that hides .grad; or step() called after "
+                    "optimizer.zero_grad() (call it between backward and the optimizer's "
+                    "step); reported once",
+                    RuntimeWarning,
+                    stacklevel=4,  # _precondition, step, torch's no_grad wrapper, user
+                )
         self.comm.broadcast_gradients(sends)
         scale = 1.0
         kl_clip = self.hyperparameter("kl_clip")
         if kl_clip is not None:
             with self.telemetry.timer("kl_clip"):
                 lr = self.options.hyper["lr"].at(self._steps)
-                scale = kl_clip_scale([(p, g) for _, p, g in pairs], lr, kl_clip)
+                # Gradients a DeepSpeed engine has not unscaled yet (fp16) carry its
+                # loss scale S, and so does P (preconditioning is linear); KL
+                # clipping is not: lr/S gives lr²·ΣP∇/S², its value unscaled.
+                loss_scale = self._grads.loss_scale() if pairs else 1.0
+                scale = kl_clip_scale([(p, g) for _, p, g in pairs], lr / loss_scale, kl_clip)
         self.telemetry.record_kl_scale(scale)
         with self.telemetry.timer("precondition"):
             for layer, preconditioned, _ in pairs:
                 if scale != 1.0:
                     preconditioned.mul_(scale)
                 layer.handler.set_grad_matrix(preconditioned)
+            self._grads.flush()  # (staged accesses: ZeRO's partitions, FSDP2's shards)
 
     # -- inspection, checkpoints, teardown ------------------------------------------------
     def coverage(self) -> Coverage:

@@ -15,7 +15,8 @@ The exchange is one all-gather of a fixed-length ``int64`` tensor (a format
 number, the digest's length and a 63-bit hash of it), whatever the digests
 hold; only when the hashes differ (which every rank sees alike) do the ranks
 gather the digests themselves (``all_gather_object``) to name the differences.
-It uses the default process group; with NCCL the tensor lives on the current
+It runs on the preconditioner's data-parallel group (the default process
+group unless ``process_group=`` was given); with NCCL the tensor lives on the current
 CUDA device (``torch.cuda.set_device`` must have been called, as for any NCCL
 ``all_gather_object``).
 
@@ -235,16 +236,17 @@ def agreement_timeout() -> float:
     return seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
 
 
-def check_agreement(digest: dict[str, object]) -> None:
+def check_agreement(digest: dict[str, object], group: dist.ProcessGroup | None = None) -> None:
     """Raise :class:`RankDisagreementError` on every rank unless all ranks' digests match.
 
-    A no-op without an initialised default process group of more than one
-    rank. Every rank must call it (it is collective).
+    Among the ranks of ``group`` (the default group when ``None``). A no-op
+    without an initialised process group of more than one rank. Every rank
+    of the group must call it (it is collective).
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
         return
-    world = dist.get_world_size()
-    backend = str(dist.get_backend())
+    world = dist.get_world_size(group)
+    backend = str(dist.get_backend(group))
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if backend == "nccl"
@@ -253,7 +255,9 @@ def check_agreement(digest: dict[str, object]) -> None:
     if backend == "gloo":
         timeout = agreement_timeout()
         try:
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)
+            dist.monitored_barrier(
+                group, timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True
+            )
         except RuntimeError as error:
             raise RankDisagreementError(
                 f"kaisa: not every rank reached the agreement check within {timeout:g} s "
@@ -261,11 +265,11 @@ def check_agreement(digest: dict[str, object]) -> None:
             ) from error
     mine = header(digest).to(device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine)
+    dist.all_gather(gathered, mine, group=group)
     if all(torch.equal(h, gathered[0]) for h in gathered[1:]):
         return
     digests: list[Any] = [None] * world
-    dist.all_gather_object(digests, digest)
+    dist.all_gather_object(digests, digest, group=group)
     message = describe(digests)
     if message is None:  # equal digests, different encodings: cannot happen
         message = "kaisa: ranks disagree on the agreement digest's encoding (mixed versions?)"

@@ -51,11 +51,29 @@ def plan_layout(plan: WorkPlan) -> dict[str, tuple[tuple[PayloadKey, int], ...]]
     }
 
 
-def default_world() -> tuple[int, int]:
-    """``(rank, world_size)`` of the default process group, or ``(0, 1)`` without one."""
-    if dist.is_available() and dist.is_initialized():
+def default_world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """``(rank, world_size)`` in ``group`` (the default process group when ``None``).
+
+    ``(0, 1)`` without an initialised process group. A process outside
+    ``group`` is an error: a preconditioner plans over the group it is a
+    member of.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise RuntimeError(
+                "kaisa: process_group was given but torch.distributed is not initialised"
+            )
+        return 0, 1
+    if group is None:
         return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(
+            f"kaisa: process_group does not contain this process (global rank "
+            f"{dist.get_rank()}): build each preconditioner on the members of its "
+            "data-parallel group"
+        )
+    return rank, dist.get_world_size(group)
 
 
 _TRIU_CACHE: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -124,7 +142,7 @@ class Communicator:
 
     Args:
         plan: the work plan (shared by all ranks).
-        rank: this process's rank in the default group.
+        rank: this process's rank in ``group`` (the plan's ranks are group ranks).
         telemetry: where traffic is counted.
         bucket_cap_mb: upper bound on one factor all-reduce bucket (MiB of
             float32 payload); layers are bucketed in reverse registration order,
@@ -132,6 +150,11 @@ class Communicator:
         symmetry_aware: send only upper triangles of the factors.
         device, dtype: where and in which dtype the factors live (for the zeros
             sent for a layer this rank did not capture).
+        group: the data-parallel process group the plan spans (``None``: the
+            default group, the whole world). kaisa's own groups are made of
+            its members; with a group, only its members take part in making
+            them (``use_local_synchronization``), so each pipeline stage or
+            model-parallel shard can build its own preconditioner.
     """
 
     def __init__(
@@ -145,9 +168,11 @@ class Communicator:
         device: torch.device | None = None,
         dtype: torch.dtype = torch.float32,
         layout: Mapping[str, Sequence[tuple[PayloadKey, int]]] | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self.plan = plan
         self.rank = rank
+        self.group = group
         self.world_size = plan.world_size
         self.telemetry = telemetry
         self.symmetry_aware = symmetry_aware
@@ -156,6 +181,7 @@ class Communicator:
         self.allreduce_group: dist.ProcessGroup | None = None
         self.column_groups: dict[int, dist.ProcessGroup | None] = {}
         self.row_groups: dict[int, dist.ProcessGroup | None] = {}
+        self.global_ranks = list(range(self.world_size))
         if self.world_size > 1:
             if not (dist.is_available() and dist.is_initialized()):
                 raise RuntimeError("a work plan for several ranks needs torch.distributed")
@@ -196,25 +222,44 @@ class Communicator:
         m, cols, n = plan.grad_workers, plan.num_columns, plan.world_size
         self.timeout_s = collective_timeout()
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        # Every rank creates every group, in the same order. kaisa's own groups
-        # (the whole world included) carry kaisa's timeout, so that a peer that
-        # never reaches step() is an error after minutes, not the default
-        # group's 30 (gloo).
-        self.allreduce_group = dist.new_group(list(range(n)), timeout=timeout)
+        outer = self.group
+        if outer is not None and dist.get_world_size(outer) != n:
+            raise ValueError(
+                f"kaisa: the plan spans {n} ranks, process_group has {dist.get_world_size(outer)}"
+            )
+        #: Global rank of each plan rank (collectives name sources by global rank).
+        self.global_ranks = [
+            r if outer is None else dist.get_global_rank(outer, r) for r in range(n)
+        ]
+
+        def new_group(ranks: Sequence[int]) -> dist.ProcessGroup:
+            members = [self.global_ranks[r] for r in ranks]
+            # With the whole world every process creates every group, in the
+            # same order; with a data-parallel group only its members do
+            # (other groups, e.g. another pipeline stage's, are made elsewhere).
+            made: dist.ProcessGroup = dist.new_group(
+                members, timeout=timeout, use_local_synchronization=outer is not None
+            )
+            return made
+
+        # kaisa's own groups (the whole plan included) carry kaisa's timeout,
+        # so that a peer that never reaches step() is an error after minutes,
+        # not the default group's 30 (gloo).
+        self.allreduce_group = new_group(range(n))
         for c in range(cols):
             ranks = plan.column_ranks(c)
             if m == n:
                 self.column_groups[c] = self.allreduce_group
-            elif m > 1:
-                group = dist.new_group(list(ranks), timeout=timeout)
+            elif m > 1 and (outer is None or self.rank in ranks):
+                group = new_group(ranks)
                 if self.rank in ranks:
                     self.column_groups[c] = group
         for r in range(m):
             ranks = plan.row_ranks(r)
             if cols == n:
                 self.row_groups[r] = self.allreduce_group
-            elif cols > 1:
-                group = dist.new_group(list(ranks), timeout=timeout)
+            elif cols > 1 and (outer is None or self.rank in ranks):
+                group = new_group(ranks)
                 if self.rank in ranks:
                     self.row_groups[r] = group
 
@@ -412,7 +457,7 @@ class Communicator:
             for column, src, tensors in items:
                 group = self.column_groups[column]
                 for tensor in tensors:
-                    works.append(_broadcast(tensor, src, group))
+                    works.append(_broadcast(tensor, self.global_ranks[src], group))
                     self.telemetry.count("inverse_broadcast", tensor)
             for work in works:
                 self._wait(work, "decomposition broadcast")
@@ -431,7 +476,7 @@ class Communicator:
             for src, tensor in items:
                 if not tensor.is_contiguous():  # a collective sends memory order, not shape
                     raise RuntimeError("kaisa: a gradient to broadcast must be contiguous")
-                works.append(_broadcast(tensor, src, group))
+                works.append(_broadcast(tensor, self.global_ranks[src], group))
                 self.telemetry.count("grad_broadcast", tensor)
             for work in works:
                 self._wait(work, "gradient broadcast")

@@ -19,6 +19,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from kaisa.layers.grads import PLAIN, GradAccess
+
 #: Picks one layer's part of an output gradient (``None``: all of it).
 GradSelect = Callable[[torch.Tensor], torch.Tensor] | None
 
@@ -54,6 +56,11 @@ class LayerHandler(ABC):
     default_sides: tuple[str | None, str | None] = (None, None)
     #: What kind of block this is, for :meth:`kaisa.KFACPreconditioner.coverage`.
     kind: str = "kronecker"
+    #: How gradients are read and written (:mod:`kaisa.layers.grads`): ``.grad``
+    #: in place unless the preconditioner installs the access its model needs
+    #: (DeepSpeed ZeRO, FSDP2). A handler that overrides :meth:`grad_matrix` or
+    #: :meth:`set_grad_matrix` reads and writes through it too.
+    grads: GradAccess = PLAIN
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -161,35 +168,39 @@ class LayerHandler(ABC):
 
         A layer whose weight has no gradient (it did not take part in the
         loss) returns ``None``; one whose bias alone is missing gets zeros
-        for the bias column.
+        for the bias column. Gradients are read through :attr:`grads`.
         """
         weight, rows = self.weight_slot()
         # A weight frozen after registration keeps whatever .grad it has: kaisa
         # never writes it (nor its layer's bias, then left raw).
-        if weight.grad is None or not weight.requires_grad:
+        if not weight.requires_grad:
             return None
-        grad = weight.grad[rows].reshape(self.g_size, -1)
+        full = self.grads.read(weight)
+        if full is None:
+            return None
+        grad = full[rows].reshape(self.g_size, -1)
         slot = self.bias_slot()
         if slot is None:
             return grad
         bias, b_rows = slot
-        bias_grad = bias.grad[b_rows] if bias.grad is not None else grad.new_zeros(self.g_size)
+        bias_full = self.grads.read(bias)
+        bias_grad = bias_full[b_rows] if bias_full is not None else grad.new_zeros(self.g_size)
         return torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
 
     def set_grad_matrix(self, matrix: torch.Tensor) -> None:
-        """Write a ``(g_size, a_size)`` matrix back into the parameters' ``.grad``."""
+        """Write a ``(g_size, a_size)`` matrix back as the parameters' gradients.
+
+        Through :attr:`grads`: a staged access keeps the write until its
+        ``flush()`` (the preconditioner's, at the end of the step).
+        """
         weight, rows = self.weight_slot()
-        assert weight.grad is not None
-        target = weight.grad[rows]
         w_cols = matrix.shape[1] - (1 if self.has_bias else 0)
-        target.copy_(matrix[:, :w_cols].reshape(target.shape))
+        self.grads.write(weight, rows, matrix[:, :w_cols])
         slot = self.bias_slot()
         if slot is None or not slot[0].requires_grad:  # frozen after registration: not written
             return
         bias, b_rows = slot
-        if bias.grad is None:
-            bias.grad = torch.zeros_like(bias)
-        bias.grad[b_rows].copy_(matrix[:, w_cols])
+        self.grads.write(bias, b_rows, matrix[:, w_cols])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.module!r}, a_size={self.a_size}, g_size={self.g_size})"

@@ -84,15 +84,13 @@ class EmbeddingHandler(LayerHandler):
         return 2.0 * rows * self.g_size
 
     def grad_matrix(self) -> torch.Tensor | None:
-        grad = self.weight.grad
-        if grad is None or not self.weight.requires_grad:
+        grad = self.grads.read(self.weight) if self.weight.requires_grad else None
+        if grad is None:
             return None
         return grad.t().contiguous()
 
     def set_grad_matrix(self, matrix: torch.Tensor) -> None:
-        grad = self.weight.grad
-        assert grad is not None
-        grad.copy_(matrix.t())
+        self.grads.write(self.weight, slice(None), matrix.t())
 
 
 def embedding_handler(module: nn.Module, **_: object) -> LayerHandler | None:

@@ -1,0 +1,189 @@
+"""The gradient seam: how kaisa reads and writes a parameter's full gradient.
+
+Handlers (:meth:`~kaisa.layers.LayerHandler.grad_matrix` and
+:meth:`~kaisa.layers.LayerHandler.set_grad_matrix`) and the preconditioner's
+finiteness check never touch ``.grad`` themselves: they go through the
+:class:`GradAccess` the preconditioner chose at construction from what the
+model is (:func:`grad_access_for`):
+
+* a plain module, or one wrapped in DDP: :class:`GradAccess`, ``param.grad``
+  read and written in place;
+* a model sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``; its
+  parameters and gradients are ``DTensor`` shards):
+  :class:`kaisa.integrations.fsdp.ShardedGradAccess`;
+* a DeepSpeed engine (ZeRO stages 0, 1 and 2; with stages 1 and 2 every
+  ``.grad`` is ``None`` and the gradients live in DeepSpeed's partitioned
+  buffers): :class:`kaisa.integrations.deepspeed.DeepSpeedGradAccess`.
+
+The last two are :class:`StagedGradAccess`: the full gradient is not a tensor
+kaisa can write in place. The first read of a step gathers the full gradient
+of every registered parameter, in registration order (a gather is a
+collective: every rank gathers the same parameters in the same order), once;
+writes go into those full tensors and :meth:`~GradAccess.flush` hands the
+written ones back; :meth:`~GradAccess.release` drops them when ``step()`` ends.
+
+An access also says what the model's wrapper decides about a step: whether
+this backward pass ends an accumulation cycle (:meth:`~GradAccess.at_boundary`),
+how many passes a cycle has (:meth:`~GradAccess.accumulation_steps`) and
+which loss scale the gradients still carry (:meth:`~GradAccess.loss_scale`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def is_dtensor(tensor: object) -> bool:
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (FSDP2's shards)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None) if module is not None else None
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
+class GradAccess:
+    """``param.grad``, read and written in place (a plain model, DDP).
+
+    ``read`` returns the gradient tensor itself (``None`` when there is none);
+    ``write`` copies into rows of it, creating a zero gradient first if there
+    is none. Nothing is staged: :meth:`flush` and :meth:`release` do nothing.
+    """
+
+    #: What the access serves, for messages.
+    kind: str = "plain"
+
+    def bind(self, params: Sequence[torch.Tensor]) -> None:
+        """The registered parameters, each once, in an order equal on every rank."""
+
+    def read(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The full gradient of ``param`` (its shape), or ``None``; do not modify it."""
+        grad = param.grad
+        if grad is not None and is_dtensor(grad):
+            raise RuntimeError(
+                "kaisa: a registered parameter's gradient is a DTensor (FSDP2's fully_shard "
+                "was applied after the KFACPreconditioner was built, which then could not "
+                "see it): build the preconditioner after fully_shard"
+            )
+        return grad
+
+    def write(self, param: torch.Tensor, rows: slice, value: torch.Tensor) -> None:
+        """Set rows ``rows`` (along dim 0) of ``param``'s full gradient to ``value``."""
+        grad = param.grad
+        if grad is None:
+            grad = param.grad = torch.zeros_like(param)
+        target = grad[rows]
+        target.copy_(value.reshape(target.shape))
+
+    def flush(self) -> None:
+        """Hand every gradient written since the last flush back to its owner."""
+
+    def release(self) -> None:
+        """End of ``step()``: drop what this step staged."""
+
+    def at_boundary(self) -> bool:
+        """Whether the backward pass just run completes an accumulation cycle."""
+        return True
+
+    def accumulation_steps(self, given: Any) -> Any:
+        """The ``accumulation_steps`` to use, given the user's (``None``: not given)."""
+        return 1 if given is None else given
+
+    def grad_scaler(self, given: Any) -> Any:
+        """The ``grad_scaler`` to use, given the user's."""
+        return given
+
+    def loss_scale(self) -> float:
+        """The factor the gradients :meth:`read` returns are still multiplied by."""
+        return 1.0
+
+
+#: The access of handlers used outside a preconditioner.
+PLAIN = GradAccess()
+
+
+class StagedGradAccess(GradAccess):
+    """Full gradients gathered once per step, written back by :meth:`flush`.
+
+    Subclasses say how one parameter's full gradient is gathered
+    (:meth:`gather`, possibly a collective) and how a full gradient is
+    written back to its owner (:meth:`scatter`).
+    """
+
+    def __init__(self) -> None:
+        self._params: list[torch.Tensor] = []
+        self._full: dict[int, torch.Tensor | None] | None = None
+        self._written: dict[int, torch.Tensor] = {}
+
+    def gather(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The full gradient of ``param``: a tensor of its shape this access may modify."""
+        raise NotImplementedError
+
+    def scatter(self, param: torch.Tensor, full: torch.Tensor) -> None:
+        """Write ``full`` (``param``'s shape) back as ``param``'s gradient."""
+        raise NotImplementedError
+
+    def bind(self, params: Sequence[torch.Tensor]) -> None:
+        self._params = list({id(p): p for p in params}.values())
+        self.release()
+
+    def read(self, param: torch.Tensor) -> torch.Tensor | None:
+        if self._full is None:
+            # Every bound parameter, in bound order: the same collectives on every rank.
+            self._full = {id(p): self.gather(p) for p in self._params}
+        key = id(param)
+        if key not in self._full:
+            raise KeyError(
+                f"kaisa: a parameter of shape {tuple(param.shape)} is not one the "
+                f"{self.kind} gradient access was bound to"
+            )
+        return self._full[key]
+
+    def write(self, param: torch.Tensor, rows: slice, value: torch.Tensor) -> None:
+        full = self.read(param)
+        if full is None:
+            assert self._full is not None
+            full = self._full[id(param)] = torch.zeros(
+                param.shape, dtype=value.dtype, device=value.device
+            )
+        target = full[rows]
+        target.copy_(value.reshape(target.shape))
+        self._written[id(param)] = param
+
+    def flush(self) -> None:
+        if self._full is None:
+            return
+        for key, param in self._written.items():
+            full = self._full[key]
+            assert full is not None
+            self.scatter(param, full)
+        self._written.clear()
+
+    def release(self) -> None:
+        self._full = None
+        self._written.clear()
+
+
+def grad_access_for(model: nn.Module) -> GradAccess:
+    """The gradient access for what ``model`` is (see the module docstring).
+
+    Raises ``ValueError`` for what kaisa cannot precondition correctly: a
+    DeepSpeed ZeRO-3 engine, or a module whose parameters a DeepSpeed ZeRO
+    optimizer manages passed instead of its engine.
+    """
+    if "deepspeed" in sys.modules:
+        # Only then can the model be a DeepSpeed engine (or hold ZeRO-managed parameters).
+        from kaisa.integrations.deepspeed import deepspeed_grad_access
+
+        access = deepspeed_grad_access(model)
+        if access is not None:
+            return access
+    if any(is_dtensor(p) for p in model.parameters()):
+        from kaisa.integrations.fsdp import ShardedGradAccess, check_fully_sharded
+
+        check_fully_sharded(model)
+        return ShardedGradAccess()
+    return GradAccess()
