@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from kaisa.curvature import DecompositionError
     from kaisa.distributed import LayerShape, WorkPlan, make_plan
     from kaisa.layers import LayerHandler, register_handler
-    from kaisa.preconditioner import KFACPreconditioner
+    from kaisa.preconditioner import KFACPreconditioner, RegisteredLayer
     from kaisa.telemetry import Telemetry
 
 __version__ = "0.1.0"
@@ -30,6 +30,7 @@ _LAZY = {
     "KFACPreconditioner": "kaisa.preconditioner",
     "LayerHandler": "kaisa.layers",
     "LayerShape": "kaisa.distributed.plan",
+    "RegisteredLayer": "kaisa.preconditioner",
     "Telemetry": "kaisa.telemetry",
     "WorkPlan": "kaisa.distributed.plan",
     "make_plan": "kaisa.distributed.plan",
@@ -54,6 +55,7 @@ __all__ = [
     "KFACPreconditioner",
     "LayerHandler",
     "LayerShape",
+    "RegisteredLayer",
     "Telemetry",
     "WorkPlan",
     "__version__",

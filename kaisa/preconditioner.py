@@ -122,6 +122,27 @@ def _inferring_pipeline_shapes() -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class RegisteredLayer:
+    """One registered layer, as :attr:`KFACPreconditioner.layers` shows it (read-only).
+
+    ``curvature`` is the representation of ``A`` and of ``G`` (provisional
+    until the automatic choice is made); ``grad_worker``: this rank
+    preconditions the layer's gradient (KAISA's plan); ``dormant``: it
+    captured nothing on the last factor-update step and keeps its raw
+    gradient.
+    """
+
+    name: str
+    module: nn.Module
+    kind: str
+    a_size: int
+    g_size: int
+    curvature: tuple[str, str]
+    grad_worker: bool
+    dormant: bool
+
+
 def _check_process_group(group: object) -> dist.ProcessGroup | None:
     """``group`` if it is a usable data-parallel group (``None``: the whole world)."""
     if group is None:
@@ -464,14 +485,14 @@ class KFACPreconditioner:
         )
         self._grad_scale = self.options.grad_scale_reader()
         self._step_scale: float | None = None
-        self.layers: list[_Layer] = []
+        self._layers: list[_Layer] = []
         for name, handler in found:
             block = self._make_block(name, handler, provisional[name])
             if self.plan.is_grad_worker(name, self.rank):
                 block.allocate_second_order()
-            self.layers.append(_Layer(name, handler, block, self._keys(name, block)))
+            self._layers.append(_Layer(name, handler, block, self._keys(name, block)))
         self._handles: list[Detachable] = [
-            layer.handler.attach(functools.partial(self._capture, layer)) for layer in self.layers
+            layer.handler.attach(functools.partial(self._capture, layer)) for layer in self._layers
         ]
         self._root_passes = 0  # the model's training forward calls since the last step()
         self._ignored_passes: set[int] = set()  # of those, a pipeline's shape inference
@@ -558,7 +579,7 @@ class KFACPreconditioner:
             return float(payload[key][1]) if payload is not None and key in payload else 0.0
 
         works = []
-        for layer in self.layers:
+        for layer in self._layers:
             h, name = layer.handler, layer.name
             works.append(
                 LayerWork(
@@ -605,19 +626,36 @@ class KFACPreconditioner:
         self._choice_pending = False
         self.curvature_choice = choice
         self.options.set_chosen(choice.factor_update_steps, choice.inv_update_steps)
-        for layer in self.layers:
+        for layer in self._layers:
             specs = choice.specs[layer.name]
             if tuple(str(spec) for spec in layer.block.specs) != specs:
                 layer.block = self._make_block(layer.name, layer.handler, specs)
         self.plan = self._make_plan(
-            [(layer.name, layer.handler, choice.specs[layer.name]) for layer in self.layers]
+            [(layer.name, layer.handler, choice.specs[layer.name]) for layer in self._layers]
         )
         self.comm.set_layout(plan_layout(self.plan), self.plan)
-        for layer in self.layers:
+        for layer in self._layers:
             layer.keys = self._keys(layer.name, layer.block)
             if self.plan.is_grad_worker(layer.name, self.rank) and not layer.dormant:
                 layer.block.allocate_second_order()
         self._capture_this_step = self._is_factor_step()
+
+    @property
+    def layers(self) -> tuple[RegisteredLayer, ...]:
+        """The registered layers, in registration order (a read-only snapshot)."""
+        return tuple(
+            RegisteredLayer(
+                name=layer.name,
+                module=layer.handler.module,
+                kind=layer.handler.kind,
+                a_size=layer.handler.a_size,
+                g_size=layer.handler.g_size,
+                curvature=(str(layer.block.specs[0]), str(layer.block.specs[1])),
+                grad_worker=self.plan.is_grad_worker(layer.name, self.rank),
+                dormant=layer.dormant,
+            )
+            for layer in self._layers
+        )
 
     # -- hyperparameters at the current step ---------------------------------------
     @property
@@ -786,7 +824,7 @@ class KFACPreconditioner:
         # they were.
         for hyper in self.options.hyper.values():
             hyper.at(self._steps)
-        extra = max(layer.extra_passes for layer in self.layers)
+        extra = max(layer.extra_passes for layer in self._layers)
         if extra:
             # With several ranks the factors left in the backward pass that
             # completed accumulation_steps; later passes cannot reach them.
@@ -805,7 +843,7 @@ class KFACPreconditioner:
                 RuntimeWarning,
                 stacklevel=3,  # step, torch's no_grad wrapper, user
             )
-        held = sum(layer.capture_bytes() for layer in self.layers)
+        held = sum(layer.capture_bytes() for layer in self._layers)
         self._peak_capture_bytes = max(self._peak_capture_bytes, held)
         try:
             if self._capture_this_step and self.model.training:
@@ -815,7 +853,7 @@ class KFACPreconditioner:
                 self._force_inverse_update = False
             self._precondition()
         finally:
-            for layer in self.layers:
+            for layer in self._layers:
                 layer.reset()
             self._root_passes = 0
             self._ignored_passes.clear()
@@ -826,7 +864,7 @@ class KFACPreconditioner:
             self.telemetry.end_step()
 
     def _update_factors(self) -> None:
-        passes = max(layer.micro_batches for layer in self.layers)
+        passes = max(layer.micro_batches for layer in self._layers)
         if 0 < passes < self.options.accumulation_steps:
             warnings.warn(
                 f"kaisa: {passes} forward/backward pass(es) before this step() but "
@@ -835,7 +873,7 @@ class KFACPreconditioner:
                 RuntimeWarning,
                 stacklevel=4,  # _update_factors, step, torch's no_grad wrapper, user
             )
-        for layer in self.layers:
+        for layer in self._layers:
             if layer.pending:
                 warnings.warn(
                     f"kaisa: layer {layer.name!r} ran forward without a backward pass this "
@@ -859,7 +897,7 @@ class KFACPreconditioner:
         reduced: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         captured: dict[str, bool] = {}
         traces: list[torch.Tensor] = []
-        for layer in self.layers:
+        for layer in self._layers:
             payload = payloads.get(layer.name)
             if payload is None:
                 continue
@@ -873,9 +911,9 @@ class KFACPreconditioner:
             # when the layer saw only zeros, or nothing (not folded); a spike
             # against the running average is an outlier batch.
             traces += layer.block.traces(a, g)
-        names = [name for name in (layer.name for layer in self.layers) if name in reduced]
+        names = [name for name in (layer.name for layer in self._layers) if name in reduced]
         # Each parameter once (attention projections share theirs).
-        params = {id(p): p for layer in self.layers for p in layer.handler.parameters()}
+        params = {id(p): p for layer in self._layers for p in layer.handler.parameters()}
         # (Read through the gradient access: ZeRO's partitions, FSDP2's shards.)
         read = (self._grads.read(p) for p in params.values())
         grads = [g for g in read if g is not None]
@@ -901,7 +939,7 @@ class KFACPreconditioner:
             self.telemetry.skipped_factor_updates += 1
             return
         decay = self.options.hyper["factor_decay"].at(self._steps)
-        by_name = {layer.name: layer for layer in self.layers}
+        by_name = {layer.name: layer for layer in self._layers}
         for name in names:
             # Rows on some rank and a non-zero A (a layer captured nowhere, or
             # fed only zeros, is skipped).
@@ -927,7 +965,7 @@ class KFACPreconditioner:
         Each is reported once; its second-order state is released and its
         factors start afresh, and it keeps its raw gradient until it captures.
         """
-        for layer in self.layers:
+        for layer in self._layers:
             payload = payloads.get(layer.name)
             captured = payload is not None and all(rows > 0 for _, rows in payload.values())
             if captured and layer.dormant:
@@ -956,7 +994,7 @@ class KFACPreconditioner:
         damping = self.options.hyper["damping"].at(self._steps)
         rank = self.rank
         with self.telemetry.timer("decomposition"):
-            for layer in self.layers:
+            for layer in self._layers:
                 if layer.dormant:
                     continue
                 assignment = self.plan.layer(layer.name)
@@ -964,7 +1002,7 @@ class KFACPreconditioner:
                     if owner == rank and not layer.block.decompose(which, damping):  # type: ignore[arg-type]
                         self.telemetry.failed_decompositions += 1
         items = []
-        for layer in self.layers:
+        for layer in self._layers:
             assignment = self.plan.layer(layer.name)
             if self.plan.is_grad_worker(layer.name, rank) and not layer.dormant:
                 for which, owner in (("a", assignment.a_rank), ("g", assignment.g_rank)):
@@ -973,7 +1011,7 @@ class KFACPreconditioner:
                     )
         self.comm.broadcast_decompositions(items)
         with self.telemetry.timer("decomposition"):
-            for layer in self.layers:
+            for layer in self._layers:
                 if self.plan.is_grad_worker(layer.name, rank) and not layer.dormant:
                     layer.block.finish_update(damping)
 
@@ -985,9 +1023,9 @@ class KFACPreconditioner:
         # A layer not called this step keeps its raw gradient. With several ranks
         # a data-dependent branch may call it on some ranks only; the ranks agree
         # (called anywhere) so that broadcasts pair up and weights stay identical.
-        called = self.comm.any_rank([layer.called for layer in self.layers])
+        called = self.comm.any_rank([layer.called for layer in self._layers])
         with self.telemetry.timer("precondition"):
-            for layer, was_called in zip(self.layers, called, strict=True):
+            for layer, was_called in zip(self._layers, called, strict=True):
                 if not was_called or layer.dormant:
                     continue
                 grad = layer.handler.grad_matrix()
@@ -1001,7 +1039,7 @@ class KFACPreconditioner:
                 sends.append((self.plan.gradient_source(layer.name, rank), preconditioned))
         if not pairs and not self._warned_no_grads:
             ran = [
-                la.name for la, c in zip(self.layers, called, strict=True) if c and not la.dormant
+                la.name for la, c in zip(self._layers, called, strict=True) if c and not la.dormant
             ]
             if ran:
                 self._warned_no_grads = True
@@ -1046,7 +1084,7 @@ class KFACPreconditioner:
         """
         specs = {
             layer.name: (layer.dormant, "/".join(str(s) for s in layer.block.specs))
-            for layer in self.layers
+            for layer in self._layers
         }
         entries = []
         for t in self._treatments:
@@ -1073,9 +1111,9 @@ class KFACPreconditioner:
         began) and ``total`` (factors + second-order + captures).
         """
         usage = {
-            "factors": sum(layer.block.factor_bytes() for layer in self.layers),
-            "second_order": sum(layer.block.second_order_bytes() for layer in self.layers),
-            "captures": sum(layer.capture_bytes() for layer in self.layers),
+            "factors": sum(layer.block.factor_bytes() for layer in self._layers),
+            "second_order": sum(layer.block.second_order_bytes() for layer in self._layers),
+            "captures": sum(layer.capture_bytes() for layer in self._layers),
         }
         usage["total"] = sum(usage.values())
         usage["captures_peak"] = self._peak_capture_bytes
@@ -1098,7 +1136,7 @@ class KFACPreconditioner:
             "grad_workers": self.plan.grad_workers,
             "options": {name: getattr(self.options, name) for name in _STATE_OPTIONS},
             "curvature_choice": None if choice is None else dataclasses.asdict(choice),
-            "layers": {layer.name: layer.block.state_dict() for layer in self.layers},
+            "layers": {layer.name: layer.block.state_dict() for layer in self._layers},
         }
 
     def _saved_choice(self, saved: object) -> BudgetChoice | None:
@@ -1157,9 +1195,9 @@ class KFACPreconditioner:
             budget=work[2],
             within_budget=within,
         )
-        if set(specs) != {layer.name for layer in self.layers}:
+        if set(specs) != {layer.name for layer in self._layers}:
             raise ValueError(f"{where} names other layers than registered")
-        for layer in self.layers:
+        for layer in self._layers:
             for side, size, fixed, chosen in zip(
                 "AG",
                 (layer.handler.a_size, layer.handler.g_size),
@@ -1244,7 +1282,7 @@ class KFACPreconditioner:
             raise TypeError(
                 f"state_dict 'layers' must be a dict of layer states; got {type(layers).__name__}"
             )
-        names = {layer.name for layer in self.layers}
+        names = {layer.name for layer in self._layers}
         missing_layers = sorted(name for name in names if name not in layers)
         unexpected_layers = sorted(repr(key) for key in layers if key not in names)
         if missing_layers or unexpected_layers:
@@ -1255,12 +1293,12 @@ class KFACPreconditioner:
         choice = self._saved_choice(state_dict.get("curvature_choice"))
         adopt = choice if choice is not None and self._choice_pending else None
         if adopt is not None:
-            specs = {layer.name: adopt.specs[layer.name] for layer in self.layers}
-            plan = self._make_plan([(la.name, la.handler, specs[la.name]) for la in self.layers])
+            specs = {layer.name: adopt.specs[layer.name] for layer in self._layers}
+            plan = self._make_plan([(la.name, la.handler, specs[la.name]) for la in self._layers])
         else:
             specs = {
                 layer.name: (str(layer.block.specs[0]), str(layer.block.specs[1]))
-                for layer in self.layers
+                for layer in self._layers
             }
             plan = self.plan
         if legacy:
@@ -1309,7 +1347,7 @@ class KFACPreconditioner:
         recompute = not keep
         blocks: dict[str, CheckedBlockState] = {}
         load_second_order: set[str] = set()
-        for layer in self.layers:
+        for layer in self._layers:
             saved = layers[layer.name]
             if saved_options is not None:
                 method, outer = (
@@ -1387,7 +1425,7 @@ class KFACPreconditioner:
         # Nothing below can fail: every value was checked above.
         if restore.choice is not None:
             self._apply_choice(restore.choice)
-        for layer in self.layers:
+        for layer in self._layers:
             layer.block.load_checked(
                 restore.blocks[layer.name], second_order=layer.name in restore.second_order
             )
@@ -1406,6 +1444,6 @@ class KFACPreconditioner:
         if "kl_clip" not in self.options.hyper:
             hyper += ", kl_clip=None"
         return (
-            f"KFACPreconditioner({len(self.layers)} layers, world_size={self.world_size}, "
+            f"KFACPreconditioner({len(self._layers)} layers, world_size={self.world_size}, "
             f"grad_workers={self.plan.grad_workers}, {hyper})"
         )

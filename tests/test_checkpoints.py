@@ -105,11 +105,11 @@ def everything(pre: kaisa.KFACPreconditioner) -> dict[str, Any]:
         "pending": pre._choice_pending,
         "force": pre._force_inverse_update,
         "capture": pre._capture_this_step,
-        "blocks": [id(layer.block) for layer in pre.layers],
-        "keys": [layer.keys for layer in pre.layers],
+        "blocks": [id(layer.block) for layer in pre._layers],
+        "keys": [layer.keys for layer in pre._layers],
         "second_order": [
             [[t.clone() for t in side.state] for side in layer.block.sides.values()]
-            for layer in pre.layers
+            for layer in pre._layers
         ],
         "hyper": {
             name: pre.hyperparameter(name)
@@ -682,7 +682,7 @@ def test_a_checkpoint_casts_to_this_preconditioners_dtypes() -> None:
     state = saved(pre.state_dict())
     target = kaisa.KFACPreconditioner(Net(), **FIXED)
     target.load_state_dict(state)
-    for mine, theirs in zip(target.layers, pre.layers, strict=True):
+    for mine, theirs in zip(target._layers, pre._layers, strict=True):
         assert mine.block.a.dtype == torch.float32
         assert torch.equal(mine.block.a, theirs.block.a.float())
         for side, other in zip(mine.block.sides.values(), theirs.block.sides.values(), strict=True):
@@ -819,11 +819,11 @@ def test_other_options_convert_to_a_fresh_computation(
 
     x, y = batch(SAVE_AT, torch.float64)
     F.cross_entropy(converted_model(x), y).backward()
-    raw = [layer.handler.grad_matrix() for layer in converted.layers]
+    raw = [layer.handler.grad_matrix() for layer in converted._layers]
     converted.step()
     F.cross_entropy(fresh_model(x), y).backward()
     fresh.step()
-    for layer, other, grad in zip(converted.layers, fresh.layers, raw, strict=True):
+    for layer, other, grad in zip(converted._layers, fresh._layers, raw, strict=True):
         got = layer.handler.grad_matrix()
         assert got is not None and grad is not None
         assert torch.equal(got, other.handler.grad_matrix()), layer.name  # type: ignore[arg-type]
@@ -847,7 +847,7 @@ def test_another_factor_init_is_accepted_as_it_is() -> None:
         warnings.simplefilter("error")
         fresh.load_state_dict(state)
     assert not fresh._force_inverse_update
-    assert [layer.block.updates for layer in fresh.layers] == [TRAINED] * 3
+    assert [layer.block.updates for layer in fresh._layers] == [TRAINED] * 3
     state["options"]["factor_init"] = "first_batch"
     assert_same(state, fresh.state_dict())
 
@@ -871,7 +871,7 @@ def test_a_format_1_checkpoint_loads_into_exact_layers_only() -> None:
     # Its options are not recorded: the second-order state is recomputed.
     assert fresh._force_inverse_update
     assert fresh.steps == TRAINED
-    for mine, theirs in zip(fresh.layers, pre.layers, strict=True):
+    for mine, theirs in zip(fresh._layers, pre._layers, strict=True):
         assert torch.equal(mine.block.a, theirs.block.a) and mine.block.updates == TRAINED
     # Not into a preconditioner that leaves the curvature to the automatic choice.
     auto = kaisa.KFACPreconditioner(Net(), factor_update_steps=1, inv_update_steps=2)

@@ -186,7 +186,7 @@ def run(
 
 
 def specs_of(pre: kaisa.KFACPreconditioner) -> dict[str, tuple[str, str]]:
-    return {layer.name: tuple(str(s) for s in layer.block.specs) for layer in pre.layers}  # type: ignore[misc]
+    return {layer.name: tuple(str(s) for s in layer.block.specs) for layer in pre._layers}  # type: ignore[misc]
 
 
 def test_the_defaults() -> None:
@@ -225,7 +225,7 @@ def test_an_unmeetable_budget_warns_once_and_takes_the_cheapest() -> None:
     assert pre.hyperparameter("factor_update_steps") == MAX_FACTOR_STEPS
     assert pre.hyperparameter("inv_update_steps") == MAX_INV_STEPS
     assert pre.hyperparameter("factor_decay") == pytest.approx(1 - MAX_FACTOR_STEPS / 200)
-    assert [layer.block.updates for layer in pre.layers] == [2, 2]
+    assert [layer.block.updates for layer in pre._layers] == [2, 2]
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -281,7 +281,7 @@ def test_fixed_intervals_are_kept_and_the_decay_follows_them(
     assert pre.hyperparameter("factor_decay") == pytest.approx(decay)
     # Factor updates at the multiples of the interval among steps 0..10.
     expected_updates = len(range(0, 11, factor_update_steps))
-    assert [layer.block.updates for layer in pre.layers] == [expected_updates] * 2
+    assert [layer.block.updates for layer in pre._layers] == [expected_updates] * 2
 
 
 def test_a_chosen_interval_sets_the_decay() -> None:
@@ -415,7 +415,7 @@ def test_with_reference_defaults_restores_the_published_semantics() -> None:
         ("kl_clip", 0.001),
     ):
         assert pre.hyperparameter(name) == value, name
-    assert [layer.block.updates for layer in pre.layers] == [3, 3]
+    assert [layer.block.updates for layer in pre._layers] == [3, 3]
     # Given arguments win; the table itself is left alone.
     other = kaisa.KFACPreconditioner.with_reference_defaults(
         MLP(), damping=0.5, curvature="kvec", factor_init="first_batch"

@@ -68,7 +68,7 @@ def _train(rank: int, world_size: int, fraction: str) -> dict[str, object]:
         "before": before,
         "choices": choices,
         "plan": preconditioner.plan,
-        "specs": [tuple(str(s) for s in layer.block.specs) for layer in preconditioner.layers],
+        "specs": [tuple(str(s) for s in layer.block.specs) for layer in preconditioner._layers],
         "intervals": (
             preconditioner.hyperparameter("factor_update_steps"),
             preconditioner.hyperparameter("inv_update_steps"),
