@@ -34,7 +34,12 @@ from kaisa.curvature.block import (
 )
 from kaisa.curvature.budget import BudgetChoice, LayerWork, choose_curvature
 from kaisa.curvature.costs import Capture, SideSpec
-from kaisa.curvature.linalg import compute_dtype, kl_clip_scale, unscale
+from kaisa.curvature.linalg import (
+    finite_with_values,
+    kl_clip_scale,
+    split_invariant_g,
+    unscale,
+)
 from kaisa.distributed.agreement import agreement_digest, check_agreement
 from kaisa.distributed.comm import Communicator, Payload, PayloadKey, default_world, plan_layout
 from kaisa.distributed.plan import LayerShape, WorkPlan, make_plan
@@ -191,6 +196,8 @@ class _Layer:
     #: second-order state, raw gradient, until it captures again.
     dormant: bool = False
     extra_passes: int = 0  # forward calls beyond accumulation_steps this step
+    #: This rank preconditions the layer's gradient (KAISA's plan; set with the plan).
+    grad_worker: bool = True
 
     def reset(self) -> None:
         self.called = False
@@ -488,9 +495,12 @@ class KFACPreconditioner:
         self._layers: list[_Layer] = []
         for name, handler in found:
             block = self._make_block(name, handler, provisional[name])
-            if self.plan.is_grad_worker(name, self.rank):
+            layer = _Layer(name, handler, block, self._keys(name, block))
+            # Decided here and with every new plan, read everywhere else.
+            layer.grad_worker = self.plan.is_grad_worker(name, self.rank)
+            if layer.grad_worker:
                 block.allocate_second_order()
-            self._layers.append(_Layer(name, handler, block, self._keys(name, block)))
+            self._layers.append(layer)
         self._handles: list[Detachable] = [
             layer.handler.attach(functools.partial(self._capture, layer)) for layer in self._layers
         ]
@@ -636,7 +646,8 @@ class KFACPreconditioner:
         self.comm.set_layout(plan_layout(self.plan), self.plan)
         for layer in self._layers:
             layer.keys = self._keys(layer.name, layer.block)
-            if self.plan.is_grad_worker(layer.name, self.rank) and not layer.dormant:
+            layer.grad_worker = self.plan.is_grad_worker(layer.name, self.rank)
+            if layer.grad_worker and not layer.dormant:
                 layer.block.allocate_second_order()
         self._capture_this_step = self._is_factor_step()
 
@@ -651,7 +662,7 @@ class KFACPreconditioner:
                 a_size=layer.handler.a_size,
                 g_size=layer.handler.g_size,
                 curvature=(str(layer.block.specs[0]), str(layer.block.specs[1])),
-                grad_worker=self.plan.is_grad_worker(layer.name, self.rank),
+                grad_worker=layer.grad_worker,
                 dormant=layer.dormant,
             )
             for layer in self._layers
@@ -789,17 +800,10 @@ class KFACPreconditioner:
         layer.grad_outputs.clear()
         if any(key not in layer.sums or not layer.rows.get(key) for key in layer.keys):
             return None
-        # Batch-split invariance (spec §3): δ is divided by the world size (and by
-        # the loss scale under AMP, done in the hook) before it enters G; squared
-        # in δᵀδ and δ².
-        g_scale = float(self.world_size)
-        if g_scale != 1.0:
-            for key in layer.keys:
-                if key == ("g", "gram"):
-                    layer.sums[key].div_(g_scale**2)
-                elif key == ("g", "moments"):
-                    layer.sums[key][0].div_(g_scale)
-                    layer.sums[key][1].div_(g_scale**2)
+        # δ divided by the world size (by the loss scale under AMP: in the hook).
+        split_invariant_g(
+            layer.sums.get(("g", "gram")), layer.sums.get(("g", "moments")), self.world_size
+        )
         return {key: (layer.sums[key], float(layer.rows[key])) for key in layer.keys}
 
     def _submit(self, layer: _Layer) -> None:
@@ -918,23 +922,11 @@ class KFACPreconditioner:
         read = (self._grads.read(p) for p in params.values())
         grads = [g for g in read if g is not None]
         # One host sync for all checks: finite factors, finite gradients (an AMP
-        # overflow must not reach the running averages), and captured anywhere.
-        # A tensor whose sum is finite has only finite entries (NaN and ±inf
-        # propagate), so one reduction per tensor decides; a non-finite sum is
-        # re-checked entry by entry, as large finite entries can overflow it.
-        tensors = [t for name in names for t in reduced[name]] + grads
-        # Sums accumulate in at least float32 (never in half precision).
-        summed = [t.sum(dtype=compute_dtype(t.dtype)) for t in tensors]
-        summed += [t.to(compute_dtype(t.dtype)) for t in traces]
-        # float64 only when some tensor already is (not every device has it).
-        common = functools.reduce(torch.promote_types, (v.dtype for v in summed))
-        values = torch.stack([v.to(common) for v in summed]).tolist()
-        sum_values, trace_values = values[: len(tensors)], values[len(tensors) :]
-        layer_traces = {name: trace_values[4 * i : 4 * i + 4] for i, name in enumerate(names)}
-        finite = all(
-            math.isfinite(value) or bool(t.isfinite().all())
-            for value, t in zip(sum_values, tensors, strict=True)
+        # overflow must not reach the running averages), and the traces.
+        finite, trace_values = finite_with_values(
+            [t for name in names for t in reduced[name]] + grads, traces
         )
+        layer_traces = {name: trace_values[4 * i : 4 * i + 4] for i, name in enumerate(names)}
         if not finite:
             self.telemetry.skipped_factor_updates += 1
             return
@@ -970,7 +962,7 @@ class KFACPreconditioner:
             captured = payload is not None and all(rows > 0 for _, rows in payload.values())
             if captured and layer.dormant:
                 layer.dormant = False
-                if self.plan.is_grad_worker(layer.name, self.rank):
+                if layer.grad_worker:
                     layer.block.allocate_second_order()
                 self._force_inverse_update = True
             elif not captured and not layer.dormant:
@@ -1001,25 +993,21 @@ class KFACPreconditioner:
                 for which, owner in (("a", assignment.a_rank), ("g", assignment.g_rank)):
                     if owner == rank and not layer.block.decompose(which, damping):  # type: ignore[arg-type]
                         self.telemetry.failed_decompositions += 1
-        items = []
-        for layer in self._layers:
-            assignment = self.plan.layer(layer.name)
-            if self.plan.is_grad_worker(layer.name, rank) and not layer.dormant:
-                for which, owner in (("a", assignment.a_rank), ("g", assignment.g_rank)):
-                    items.append(
-                        (assignment.column, owner, layer.block.state_tensors(which))  # type: ignore[arg-type]
-                    )
-        self.comm.broadcast_decompositions(items)
+        working = [layer for layer in self._layers if layer.grad_worker and not layer.dormant]
+        self.comm.broadcast_decompositions(
+            {
+                layer.name: (layer.block.state_tensors("a"), layer.block.state_tensors("g"))
+                for layer in working
+            }
+        )
         with self.telemetry.timer("decomposition"):
-            for layer in self._layers:
-                if self.plan.is_grad_worker(layer.name, rank) and not layer.dormant:
-                    layer.block.finish_update(damping)
+            for layer in working:
+                layer.block.finish_update(damping)
 
     def _precondition(self) -> None:
         damping = self.options.hyper["damping"].at(self._steps)
-        rank = self.rank
         pairs: list[tuple[_Layer, torch.Tensor, torch.Tensor]] = []
-        sends: list[tuple[int, torch.Tensor]] = []
+        sends: list[tuple[str, torch.Tensor]] = []
         # A layer not called this step keeps its raw gradient. With several ranks
         # a data-dependent branch may call it on some ranks only; the ranks agree
         # (called anywhere) so that broadcasts pair up and weights stay identical.
@@ -1031,12 +1019,12 @@ class KFACPreconditioner:
                 grad = layer.handler.grad_matrix()
                 if grad is None:
                     continue
-                if self.plan.is_grad_worker(layer.name, rank):
+                if layer.grad_worker:
                     preconditioned = layer.block.precondition(grad, damping)
-                else:
+                else:  # the plan's source in this rank's row sends it
                     preconditioned = torch.empty_like(grad)
                 pairs.append((layer, preconditioned, grad))
-                sends.append((self.plan.gradient_source(layer.name, rank), preconditioned))
+                sends.append((layer.name, preconditioned))
         if not pairs and not self._warned_no_grads:
             ran = [
                 la.name for la, c in zip(self._layers, called, strict=True) if c and not la.dormant

@@ -7,7 +7,9 @@ modules, hooks or ranks.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -135,6 +137,53 @@ def unscale(delta: torch.Tensor, scale: float) -> torch.Tensor:
     if torch.finfo(delta.dtype).max < torch.finfo(torch.float32).max:
         return delta.float() / scale
     return delta / scale
+
+
+def split_invariant_g(
+    gram: torch.Tensor | None, moments: torch.Tensor | None, world_size: int
+) -> None:
+    """Divide ``δ`` by the world size in ``G``'s captures, in place (spec §3).
+
+    Under data parallelism each rank's loss is its local mean, so its ``δ``
+    is ``N`` times that of one process holding the whole batch; dividing it
+    by ``N`` makes ``N`` ranks' averaged factors equal the single process's
+    (batch-split invariance). ``gram`` (``δᵀδ``) scales by ``1/N²``;
+    ``moments`` (``[Σδ; Σδ²]``) by ``1/N`` and ``1/N²``.
+    """
+    if world_size == 1:
+        return
+    n = float(world_size)
+    if gram is not None:
+        gram.div_(n * n)
+    if moments is not None:
+        moments[0].div_(n)
+        moments[1].div_(n * n)
+
+
+def finite_with_values(
+    tensors: Sequence[torch.Tensor], scalars: Sequence[torch.Tensor] = ()
+) -> tuple[bool, list[float]]:
+    """Whether every entry of ``tensors`` is finite, and ``scalars`` as floats: one host sync.
+
+    A tensor whose sum is finite has only finite entries (NaN and ±inf
+    propagate), so one reduction per tensor decides; a non-finite sum is
+    re-checked entry by entry, as large finite entries can overflow it. Sums
+    accumulate in at least float32 (never in half precision); the values
+    travel in float64 only when some tensor already is (not every device
+    has it).
+    """
+    summed = [t.sum(dtype=compute_dtype(t.dtype)) for t in tensors]
+    summed += [t.to(compute_dtype(t.dtype)) for t in scalars]
+    if not summed:
+        return True, []
+    common = functools.reduce(torch.promote_types, (v.dtype for v in summed))
+    values = torch.stack([v.to(common) for v in summed]).tolist()
+    sums, rest = values[: len(tensors)], values[len(tensors) :]
+    finite = all(
+        math.isfinite(value) or bool(t.isfinite().all())
+        for value, t in zip(sums, tensors, strict=True)
+    )
+    return finite, rest
 
 
 def kl_clip_scale(

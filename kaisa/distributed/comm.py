@@ -443,39 +443,51 @@ class Communicator:
 
     # -- broadcasts ---------------------------------------------------------------
     def broadcast_decompositions(
-        self, items: Sequence[tuple[int, int, Sequence[torch.Tensor]]]
+        self,
+        states: Mapping[str, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
     ) -> None:
-        """Broadcast decompositions inside their columns.
+        """Broadcast each layer's second-order state inside its gradient-worker column.
 
-        ``items`` holds ``(column, src_rank, tensors)`` for every layer factor
-        whose column contains this rank; a no-op when columns have one member.
+        ``states`` maps each layer whose column holds this rank (those this
+        rank preconditions, :meth:`WorkPlan.is_grad_worker`) to the state
+        tensors of its ``A`` and of its ``G``, in the same layer order on every
+        rank of the column. The plan names each side's owner (its
+        ``a_rank`` / ``g_rank``), which sends; the rest of the column
+        receives in place. A no-op when columns have one member.
         """
         if self.plan.grad_workers == 1:
             return
         works: list[Work] = []
         with self.telemetry.timer("inverse_broadcast"):
-            for column, src, tensors in items:
-                group = self.column_groups[column]
-                for tensor in tensors:
-                    works.append(_broadcast(tensor, self.global_ranks[src], group))
-                    self.telemetry.count("inverse_broadcast", tensor)
+            for name, sides in states.items():
+                assignment = self.plan.layer(name)
+                group = self.column_groups[assignment.column]
+                owners = (assignment.a_rank, assignment.g_rank)
+                for owner, tensors in zip(owners, sides, strict=True):
+                    for tensor in tensors:
+                        works.append(_broadcast(tensor, self.global_ranks[owner], group))
+                        self.telemetry.count("inverse_broadcast", tensor)
             for work in works:
                 self._wait(work, "decomposition broadcast")
 
-    def broadcast_gradients(self, items: Sequence[tuple[int, torch.Tensor]]) -> None:
+    def broadcast_gradients(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Broadcast preconditioned gradients inside this rank's row.
 
-        ``items`` holds ``(src_rank, tensor)`` per layer, in the same layer order on
-        every rank; a no-op when rows have one member (COMM-OPT).
+        ``items`` holds ``(layer name, tensor)`` in the same layer order on every
+        rank; the plan names the source (the row's rank in the layer's
+        column, :meth:`WorkPlan.gradient_source`), which sends its
+        preconditioned gradient; the others receive into theirs. A no-op when
+        rows have one member (COMM-OPT).
         """
         if self.plan.num_columns == 1:
             return
         group = self.row_groups[self.plan.row_of(self.rank)]
         works: list[Work] = []
         with self.telemetry.timer("grad_broadcast"):
-            for src, tensor in items:
+            for name, tensor in items:
                 if not tensor.is_contiguous():  # a collective sends memory order, not shape
                     raise RuntimeError("kaisa: a gradient to broadcast must be contiguous")
+                src = self.plan.gradient_source(name, self.rank)
                 works.append(_broadcast(tensor, self.global_ranks[src], group))
                 self.telemetry.count("grad_broadcast", tensor)
             for work in works:

@@ -266,3 +266,36 @@ def test_eigh_retried_in_float64(monkeypatch: pytest.MonkeyPatch) -> None:
     vectors, values = symmetric_eigen(factor, torch.float32)
     assert seen == [torch.float32, torch.float64]
     torch.testing.assert_close(vectors @ torch.diag(values) @ vectors.T, factor)
+
+
+def test_split_invariant_g_divides_delta_by_the_world_size() -> None:
+    """N ranks, each δ N times one process's: δ/N in δᵀδ, Σδ and Σδ² (float64, exact)."""
+    from kaisa.curvature.linalg import split_invariant_g
+
+    delta = torch.randn(7, 3, dtype=torch.float64)
+    for n in (1, 2, 4):
+        gram = (n * delta).T @ (n * delta)
+        moments = torch.stack([(n * delta).sum(0), ((n * delta) ** 2).sum(0)])
+        split_invariant_g(gram, moments, n)
+        torch.testing.assert_close(gram, delta.T @ delta, rtol=1e-15, atol=0)
+        torch.testing.assert_close(moments[0], delta.sum(0), rtol=1e-15, atol=0)
+        torch.testing.assert_close(moments[1], (delta**2).sum(0), rtol=1e-15, atol=0)
+    split_invariant_g(None, None, 4)  # nothing captured: nothing to do
+
+
+def test_finite_with_values_decides_per_tensor_with_one_reduction() -> None:
+    from kaisa.curvature.linalg import finite_with_values
+
+    big = torch.full((4,), 3e38)  # finite entries whose float32 sum overflows
+    ok, values = finite_with_values([torch.ones(3), big], [torch.tensor(2.5), torch.tensor(-1.0)])
+    assert ok and values == [2.5, -1.0]
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = torch.ones(5, dtype=torch.float16)
+        t[2] = bad
+        assert finite_with_values([torch.ones(2), t])[0] is False
+    assert finite_with_values([]) == (True, [])
+    # float64 values survive when a tensor is float64.
+    _, (value,) = finite_with_values(
+        [torch.ones(1, dtype=torch.float64)], [torch.tensor(1 / 3, dtype=torch.float64)]
+    )
+    assert value == 1 / 3
