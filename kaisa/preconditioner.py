@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import sys
 import warnings
@@ -58,6 +59,11 @@ _ALL_KEYS: tuple[PayloadKey, ...] = (
     ("g", "moments"),
 )
 
+
+#: kaisa's log (``logging.getLogger("kaisa")``): what it decided, at INFO.
+#: Problems remain warnings (``warnings.warn``), so that they reach the user
+#: whatever the logging configuration.
+log = logging.getLogger("kaisa")
 
 #: The checkpoint format :meth:`KFACPreconditioner.state_dict` writes. A state
 #: dict without a ``"format"`` key is format 1, from before curvature
@@ -514,6 +520,13 @@ class KFACPreconditioner:
         self._peak_capture_bytes = 0
         self._capture_this_step = self._is_factor_step()
         self._force_inverse_update = False
+        log.info(
+            "kaisa: %d layer(s) registered on rank %d of %d (%d gradient worker(s) per layer)",
+            len(self._layers),
+            self.rank,
+            self.world_size,
+            self.plan.grad_workers,
+        )
 
     @classmethod
     def with_reference_defaults(cls, model: nn.Module, **kwargs: Any) -> KFACPreconditioner:
@@ -635,6 +648,10 @@ class KFACPreconditioner:
         """Install a choice: blocks, plan, factor layout and intervals (between steps)."""
         self._choice_pending = False
         self.curvature_choice = choice
+        if log.isEnabledFor(logging.INFO):
+            log.info(
+                "kaisa: automatic curvature choice at step %d:\n%s", self._steps, choice.describe()
+            )
         self.options.set_chosen(choice.factor_update_steps, choice.inv_update_steps)
         for layer in self._layers:
             specs = choice.specs[layer.name]
@@ -991,7 +1008,8 @@ class KFACPreconditioner:
                     continue
                 assignment = self.plan.layer(layer.name)
                 for which, owner in (("a", assignment.a_rank), ("g", assignment.g_rank)):
-                    if owner == rank and not layer.block.decompose(which, damping):  # type: ignore[arg-type]
+                    # stacklevel: decompose, this, step, torch's no_grad wrapper, the user
+                    if owner == rank and not layer.block.decompose(which, damping, stacklevel=5):  # type: ignore[arg-type]
                         self.telemetry.failed_decompositions += 1
         working = [layer for layer in self._layers if layer.grad_worker and not layer.dormant]
         self.comm.broadcast_decompositions(

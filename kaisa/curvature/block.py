@@ -227,8 +227,12 @@ class KroneckerBlock:
         self.allocate_second_order()
         return self.sides[which].state_tensors()
 
-    def decompose(self, which: Factor, damping: float) -> bool:
-        """Refresh one side's second-order state; ``False`` (state kept) on failure."""
+    def decompose(self, which: Factor, damping: float, stacklevel: int = 2) -> bool:
+        """Refresh one side's second-order state; ``False`` (state kept) on failure.
+
+        A failure is warned about; ``stacklevel`` is the warning's, counted
+        from this method (the caller passes the depth of the user's line).
+        """
         self.allocate_second_order()
         try:
             self.sides[which].refresh(damping)
@@ -237,7 +241,7 @@ class KroneckerBlock:
                 f"kaisa: layer {self.name!r}: factor {which.upper()} could not be decomposed "
                 f"({error}); keeping its previous second-order state",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=stacklevel,
             )
             return False
         return True
