@@ -437,7 +437,7 @@ class KFACPreconditioner:
             handler.grads = grad_access
         self._treatments = surveyed.treatments
         #: The data-parallel group KAISA plans over (``None``: the whole world).
-        self.process_group = _check_process_group(process_group)
+        self.process_group = _check_process_group(grad_access.process_group(process_group))
         self.rank, self.world_size = default_world(self.process_group)
         # A side the user fixes wins; else the layer kind's own (an embedding's
         # diagonal A); else the automatic choice.

@@ -38,6 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 try:
@@ -133,6 +134,15 @@ class DeepSpeedGradAccess(StagedGradAccess):
                 "(it follows the engine) or make them equal"
             )
         return given
+
+    def process_group(self, given: Any) -> Any:
+        """The engine's data-parallel group unless one is given (model or pipeline parallel)."""
+        if given is not None:
+            return given
+        group = getattr(self.engine, "data_parallel_group", None)
+        if group is None or dist.get_world_size(group) == dist.get_world_size():
+            return None  # the whole world: kaisa's default
+        return group
 
     def grad_scaler(self, given: Any) -> Any:
         if given is not None:

@@ -96,6 +96,10 @@ class GradAccess:
         """The ``grad_scaler`` to use, given the user's."""
         return given
 
+    def process_group(self, given: Any) -> Any:
+        """The data-parallel group to plan over, given the user's (``None``: the world)."""
+        return given
+
     def loss_scale(self) -> float:
         """The factor the gradients :meth:`read` returns are still multiplied by."""
         return 1.0

@@ -483,3 +483,33 @@ def test_deepspeed_launcher_on_cpu(tmp_path: Path) -> None:
     assert result["max_difference"] <= TOL32
     assert result["clipped"] > 0
     assert time.monotonic() - start < TIMEOUT
+
+
+def _dp_group_default(rank: int, world_size: int) -> list[bool]:
+    """The engine's data-parallel group becomes kaisa's unless one is given."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from kaisa.integrations.deepspeed import DeepSpeedGradAccess
+
+    own = [dist.new_group([r]) for r in range(world_size)][rank]  # model parallel: dp of 1
+    whole = dist.new_group(list(range(world_size)))
+    given = dist.new_group(list(range(world_size)))
+
+    def chosen(group: object, user: object) -> object:
+        fake = SimpleNamespace(engine=SimpleNamespace(data_parallel_group=group))
+        return DeepSpeedGradAccess.process_group(fake, user)  # type: ignore[arg-type]
+
+    return [
+        chosen(own, None) is own,  # a smaller group: planned over
+        chosen(whole, None) is None,  # the whole world: kaisa's default
+        chosen(None, None) is None,
+        chosen(own, given) is given,  # the user's wins
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_the_engines_data_parallel_group_is_the_default_process_group() -> None:
+    for checks in run_distributed(_dp_group_default, 2, timeout=90):
+        assert checks == [True, True, True, True]
