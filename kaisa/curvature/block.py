@@ -252,6 +252,8 @@ class KroneckerBlock:
         The eigenvalues are kept (``a + g`` elements) so that a later failed
         decomposition still leaves a consistent pair of eigenbasis and values.
         """
+        for side in self.sides.values():
+            side.invalidate()  # a column broadcast may have written the state
         if self.eigen_outer_product:
             self.outer_inverse = eigen_outer_inverse(*self._eigenvalues(), damping)
 
@@ -366,6 +368,7 @@ class KroneckerBlock:
             for which, tensors in checked.second_order.items():
                 for target, value in zip(self.sides[which].state, tensors, strict=True):
                     target.copy_(value)
+                self.sides[which].invalidate()
             if checked.outer_inverse is not None:
                 self.outer_inverse = checked.outer_inverse.clone()
         elif self.has_second_order:

@@ -125,6 +125,9 @@ class Side(ABC):
             self.factor = torch.zeros(2, size, dtype=factor_dtype, device=device)
             self.factor[1].fill_(1.0)
         self.state: list[torch.Tensor] = []
+        # (damping, tensors): what solve() needs besides the matrix, computed
+        # once per state and damping (see coefficients()).
+        self._coefficients: tuple[float, tuple[torch.Tensor, ...]] | None = None
 
     @property
     def spec(self) -> SideSpec:
@@ -139,7 +142,28 @@ class Side(ABC):
         """Second-order state on this rank: that of the identity factor (idempotent)."""
         if not self.state:
             self.state = self._identity_state()
+            self.invalidate()
         return self.state
+
+    def invalidate(self) -> None:
+        """The state changed (a refresh, a broadcast received into it, a load)."""
+        self._coefficients = None
+
+    def coefficients(self, damping: float) -> tuple[torch.Tensor, ...]:
+        """What :meth:`solve` needs besides the matrix, for the current state.
+
+        Derived from the state and ``damping`` alone, so it is computed once
+        per state (until :meth:`invalidate`) and damping value rather than at
+        every step: the same operations, the same values.
+        """
+        cached = self._coefficients
+        if cached is None or cached[0] != damping:
+            cached = (damping, self._solve_coefficients(damping))
+            self._coefficients = cached
+        return cached[1]
+
+    @abstractmethod
+    def _solve_coefficients(self, damping: float) -> tuple[torch.Tensor, ...]: ...
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The tensors a refresh writes and the column broadcast sends."""
@@ -156,6 +180,7 @@ class Side(ABC):
         new = self._compute_state(damping)
         for old, value in zip(self.allocate(), new, strict=True):
             old.copy_(value)
+        self.invalidate()
 
     def scale(self) -> torch.Tensor:
         """``s``: the mean eigenvalue under relative damping, else 1 (a 0-d tensor)."""
@@ -237,17 +262,23 @@ class ExactSide(Side):
         q, values = self.allocate()
         return q, values
 
-    def solve(self, matrix: torch.Tensor, damping: float, dim: int) -> torch.Tensor:
+    def _solve_coefficients(self, damping: float) -> tuple[torch.Tensor, ...]:
         if self.method == "inverse":
             # The inverse was formed with the damping of its refresh (spec §4).
-            inverse = self.allocate()[0]
+            return (self.allocate()[0],)
+        q, values = self.eigen
+        inv = (values / self.scale()).add_(damping).reciprocal_()
+        return q, inv.unsqueeze(1)
+
+    def solve(self, matrix: torch.Tensor, damping: float, dim: int) -> torch.Tensor:
+        if self.method == "inverse":
+            (inverse,) = self.coefficients(damping)
             m = matrix.to(inverse.dtype)
             out = inverse @ m if dim == 0 else m @ inverse
             return out.to(matrix.dtype)
-        q, values = self.eigen
-        inv = (values / self.scale()).add_(damping).reciprocal_()
+        q, inv = self.coefficients(damping)
         m = _along(matrix.to(q.dtype), dim)
-        out = q @ (inv.unsqueeze(1) * (q.t() @ m))
+        out = q @ (inv * (q.t() @ m))
         return _along(out, dim).to(matrix.dtype)
 
     def dense(self) -> torch.Tensor:
@@ -324,13 +355,17 @@ class LowRankSide(Side):
         _, values, sigma = self.allocate()
         return (values.sum() + (self.size - self.rank) * sigma[0]) / self.size
 
-    def solve(self, matrix: torch.Tensor, damping: float, dim: int) -> torch.Tensor:
+    def _solve_coefficients(self, damping: float) -> tuple[torch.Tensor, ...]:
         u, values, sigma = self.allocate()
         s = self.scale()
         rest = 1.0 / (sigma[0] / s + damping)
         coefficient = (values / s).add_(damping).reciprocal_().sub_(rest)
+        return u, coefficient.unsqueeze(1), rest
+
+    def solve(self, matrix: torch.Tensor, damping: float, dim: int) -> torch.Tensor:
+        u, coefficient, rest = self.coefficients(damping)
         m = _along(matrix.to(u.dtype), dim)
-        out = m * rest + u @ (coefficient.unsqueeze(1) * (u.t() @ m))
+        out = m * rest + u @ (coefficient * (u.t() @ m))
         return _along(out, dim).to(matrix.dtype)
 
     def dense(self) -> torch.Tensor:
@@ -358,12 +393,16 @@ class KroneckerVectorSide(Side):
         (mean,) = self.allocate()
         return mean.dot(mean) / self.size
 
-    def solve(self, matrix: torch.Tensor, damping: float, dim: int) -> torch.Tensor:
+    def _solve_coefficients(self, damping: float) -> tuple[torch.Tensor, ...]:
         (mean,) = self.allocate()
         b = mean / self.scale().sqrt()
+        return b, damping + b.dot(b)
+
+    def solve(self, matrix: torch.Tensor, damping: float, dim: int) -> torch.Tensor:
+        b, denominator = self.coefficients(damping)
         m = _along(matrix.to(b.dtype), dim)
         projection = b @ m  # bᵀ v for every column
-        out = (m - torch.outer(b, projection) / (damping + b.dot(b))) / damping
+        out = (m - torch.outer(b, projection) / denominator) / damping
         return _along(out, dim).to(matrix.dtype)
 
     def dense(self) -> torch.Tensor:
@@ -386,11 +425,15 @@ class DiagonalSide(Side):
     def mean_eigenvalue(self) -> torch.Tensor:
         return self.allocate()[0].mean()
 
-    def solve(self, matrix: torch.Tensor, damping: float, dim: int) -> torch.Tensor:
+    def _solve_coefficients(self, damping: float) -> tuple[torch.Tensor, ...]:
         (diagonal,) = self.allocate()
         inv = (diagonal / self.scale()).add_(damping).reciprocal_()
+        return (inv.unsqueeze(1),)
+
+    def solve(self, matrix: torch.Tensor, damping: float, dim: int) -> torch.Tensor:
+        (inv,) = self.coefficients(damping)
         m = _along(matrix.to(inv.dtype), dim)
-        return _along(inv.unsqueeze(1) * m, dim).to(matrix.dtype)
+        return _along(inv * m, dim).to(matrix.dtype)
 
     def dense(self) -> torch.Tensor:
         return torch.diag(self.allocate()[0])

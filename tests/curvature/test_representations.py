@@ -721,3 +721,60 @@ def test_exact_cost_matches_the_side() -> None:
         s = side("exact", n, method=method)
         assert cost.factor == s.factor.numel() == n * n
         assert sum(t.numel() for t in s.allocate()) == cost.state == state
+
+
+@pytest.mark.parametrize(
+    ("spec", "method"),
+    [
+        ("exact", "eigen"),
+        ("exact", "inverse"),
+        ("lowrank:3", "eigen"),
+        ("kvec", "eigen"),
+        ("diagonal", "eigen"),
+    ],
+)
+def test_solve_coefficients_follow_the_state_and_the_damping(spec: str, method: str) -> None:
+    """Cached per state and damping: a refresh, a load or another damping recomputes them."""
+    side = make_side(
+        SideSpec.parse(spec),
+        "layer.a",
+        6,
+        method=method,
+        device=torch.device("cpu"),
+        factor_dtype=torch.float64,
+        inv_dtype=torch.float64,
+        relative=True,
+    )
+    m = torch.randn(6, 4, dtype=torch.float64)
+
+    def fresh(damping: float) -> torch.Tensor:
+        """The solve with nothing cached."""
+        side.invalidate()
+        return side.solve(m, damping, dim=0)
+
+    def fold_and_refresh(seed: int) -> None:
+        torch.manual_seed(seed)
+        rows = torch.randn(20, 6, dtype=torch.float64)
+        batch = (
+            rows.T @ rows / 20
+            if side.capture == "gram"
+            else torch.stack([rows.mean(0), (rows**2).mean(0)])
+        )
+        side.fold(batch, 0.0)
+        side.refresh(0.1)
+
+    fold_and_refresh(0)
+    first = side.solve(m, 0.1, dim=0)
+    assert torch.equal(side.solve(m, 0.1, dim=0), first)  # cached: the same values
+    assert torch.equal(first, fresh(0.1))
+    other = side.solve(m, 0.3, dim=0)  # another damping: recomputed
+    if method != "inverse":  # (the inverse holds its refresh's damping)
+        assert not torch.allclose(other, first)
+    assert torch.equal(other, fresh(0.3))
+    fold_and_refresh(1)  # a refresh: recomputed
+    assert torch.equal(side.solve(m, 0.1, dim=0), fresh(0.1))
+    assert not torch.allclose(side.solve(m, 0.1, dim=0), first)
+    for target in side.state:  # written in place (a broadcast received), then invalidated
+        target.mul_(2.0)
+    side.invalidate()
+    assert torch.equal(side.solve(m, 0.1, dim=0), fresh(0.1))
