@@ -1,0 +1,128 @@
+"""What ``preconditioner.step()`` costs per step on the suite's models, phase by phase.
+
+For each model (the suite's workloads by default) the script builds it with
+kaisa's defaults in front of AdamW, trains ``--warmup`` steps on one fixed
+random batch of Fashion-MNIST's shape (so the automatic choice is made and
+the blocks hold real curvature), then, on one set of gradients:
+
+* ``precondition``: the preconditioning of every registered layer alone
+  (the gradients restored before each call), median of ``--repeats`` calls;
+* ``train``: the median of a full training step (forward, backward,
+  ``step()``, AdamW) with and without kaisa, the two arms alternating, and
+  their ratio.
+
+The machine's load is printed before and after; nothing else should run.
+Nothing is asserted.
+
+    python benchmarks/precondition_cost.py
+    python benchmarks/precondition_cost.py --models vit --repeats 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from common import load_average
+
+import kaisa
+from kaisa.models import build_model
+
+BATCH = 128
+
+
+def _median_ms(fn: Callable[[], None], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def measure(name: str, warmup: int, repeats: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    x, y = torch.randn(BATCH, 1, 28, 28), torch.randint(0, 10, (BATCH,))
+    models = {arm: build_model(name) for arm in ("adamw", "kaisa")}
+    models["kaisa"].load_state_dict(models["adamw"].state_dict())
+    optimizers = {arm: torch.optim.AdamW(m.parameters(), lr=1e-3) for arm, m in models.items()}
+    pre = kaisa.KFACPreconditioner(models["kaisa"], lr=1e-3)
+
+    def train(arm: str) -> Callable[[], None]:
+        def one() -> None:
+            optimizers[arm].zero_grad()
+            F.cross_entropy(models[arm](x), y).backward()
+            if arm == "kaisa":
+                pre.step()
+            optimizers[arm].step()
+
+        return one
+
+    for _ in range(warmup):
+        train("kaisa")()
+    # Alternating arms: whatever else the machine does slows both alike.
+    times: dict[str, list[float]] = {"adamw": [], "kaisa": []}
+    for _ in range(repeats):
+        for arm in times:
+            start = time.perf_counter()
+            train(arm)()
+            times[arm].append(time.perf_counter() - start)
+    adamw, with_kaisa = (statistics.median(times[a]) * 1e3 for a in ("adamw", "kaisa"))
+
+    model = models["kaisa"]
+    optimizers["kaisa"].zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    saved = {p: p.grad.clone() for p in model.parameters() if p.grad is not None}
+
+    def restore() -> None:
+        for p, g in saved.items():
+            assert p.grad is not None
+            p.grad.copy_(g)
+
+    def precondition_only() -> None:
+        restore()
+        for layer in pre._layers:
+            layer.called = True
+        pre._precondition()
+
+    def restore_only() -> None:
+        restore()
+
+    precondition = _median_ms(precondition_only, repeats) - _median_ms(restore_only, repeats)
+    return {
+        "layers": float(len(pre.layers)),
+        "precondition_ms": precondition,
+        "adamw_step_ms": adamw,
+        "kaisa_step_ms": with_kaisa,
+        "ratio": with_kaisa / adamw,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="gap_cnn,small_cnn,vit")
+    parser.add_argument("--warmup", type=int, default=100, help="training steps first")
+    parser.add_argument("--repeats", type=int, default=200, help="timed calls per median")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"load before {load_average()}")
+    print(
+        f"{'model':<10} {'layers':>6} {'precondition':>13} {'AdamW step':>11} "
+        f"{'+ kaisa step':>13} {'ratio':>6}"
+    )
+    for name in args.models.split(","):
+        r = measure(name, args.warmup, args.repeats)
+        print(
+            f"{name:<10} {r['layers']:>6.0f} {r['precondition_ms']:>10.2f} ms "
+            f"{r['adamw_step_ms']:>8.2f} ms {r['kaisa_step_ms']:>10.2f} ms {r['ratio']:>6.3f}"
+        )
+    print(f"load after {load_average()}")
+
+
+if __name__ == "__main__":
+    main()
