@@ -197,8 +197,9 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
             shared = [p for p in params if holders[id(p)].keys() - claimed]
             if shared:
                 users = sorted({o for p in shared for o in holders[id(p)].values()})
+                others = [user for user in users if user != label] or users
                 messages.append(
-                    f"kaisa: {label!r} shares a parameter with {', '.join(map(repr, users))}; its "
+                    f"kaisa: {label!r} shares a parameter with {', '.join(map(repr, others))}; its "
                     "gradient sums every use, so it is left raw rather than preconditioned "
                     "with one use's curvature"
                 )
