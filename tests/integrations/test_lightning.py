@@ -17,7 +17,6 @@ trainer runs inside its processes on their process group.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import subprocess
 import sys
@@ -33,30 +32,23 @@ import torch.nn.functional as F
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 import kaisa
 from kaisa.integrations.lightning import CHECKPOINT_KEY, KFACCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+import plain_loop as plain
 from harness import run_distributed
+from plain_loop import OPTIONS, STEPS, TOL32, TOL64, Batches
 
-SEED = 7
-LR = 0.2
-STEPS = 4  # optimizer steps per run
-BATCH = 8
-#: Exact Kronecker blocks, inverses every other step, KL clipping on
-#: (kl_clipped_steps > 0 is checked).
-OPTIONS: dict[str, Any] = {
-    "curvature": "exact",
-    "factor_update_steps": 1,
-    "inv_update_steps": 2,
-    "kl_clip": 1e-3,
-}
-TOL64 = 1e-10
-TOL32 = 1e-6
+
+def _plain(
+    data: Batches, accumulation: int, *args: Any, **kwargs: Any
+) -> tuple[dict[str, torch.Tensor], int]:
+    """The plain loop (tests/integrations/plain_loop.py), losses as this framework computes them."""
+    return plain.reference(data, accumulation, plain.lightning_loss, *args, **kwargs)
+
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers"),
@@ -64,86 +56,10 @@ pytestmark = [
 ]
 
 
-def _net(dtype: torch.dtype) -> nn.Module:
-    torch.manual_seed(SEED)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(dtype)
-
-
-def _batches(rank: int, count: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(100 + rank)
-    return [
-        (
-            torch.randn(BATCH, 8, generator=g, dtype=dtype),
-            torch.randint(0, 4, (BATCH,), generator=g),
-        )
-        for _ in range(count)
-    ]
-
-
-def _optimizer(params: Any) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    optimizer = torch.optim.SGD(params, lr=LR, momentum=0.9)
-    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-
-
-def _reference(
-    batches: list[tuple[torch.Tensor, torch.Tensor]],
-    accumulation: int,
-    dtype: torch.dtype = torch.float64,
-    *,
-    kfac: bool = True,
-    amp: bool = False,
-    unscale_first: bool = True,
-) -> tuple[dict[str, torch.Tensor], int]:
-    """The plain loop: weights after it and the number of KL-clipped steps."""
-    net = _net(dtype)
-    model: nn.Module = DistributedDataParallel(net) if dist.is_initialized() else net
-    optimizer, schedule = _optimizer(model.parameters())
-    scaler = torch.amp.GradScaler("cpu") if amp else None
-    pre = (
-        kaisa.KFACPreconditioner(
-            model,
-            lr=lambda step: optimizer.param_groups[0]["lr"],
-            accumulation_steps=accumulation,
-            grad_scaler=scaler,
-            **OPTIONS,
-        )
-        if kfac
-        else None
-    )
-    for start in range(0, len(batches), accumulation):
-        optimizer.zero_grad()
-        for i, (x, y) in enumerate(batches[start : start + accumulation]):
-            last = i == accumulation - 1
-            sync = (
-                model.no_sync() if isinstance(model, DistributedDataParallel) and not last else None
-            )
-            with sync or contextlib.nullcontext():
-                autocast = torch.autocast("cpu", dtype=torch.float16, cache_enabled=False)
-                with autocast if amp else contextlib.nullcontext():
-                    loss = F.cross_entropy(model(x), y)
-                loss = loss / accumulation
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-        if scaler is not None and unscale_first:
-            scaler.unscale_(optimizer)
-        if pre is not None:
-            with warnings.catch_warnings():
-                if not unscale_first:
-                    warnings.simplefilter("ignore")  # kaisa: "call scaler.unscale_ first"
-                pre.step()
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        schedule.step()
-    clipped = pre.telemetry.kl_clipped_steps if pre is not None else 0
-    return {k: v.detach().clone() for k, v in net.state_dict().items()}, clipped
-
-
 class Module(pl.LightningModule):
     def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype):
         super().__init__()
-        self.net = _net(dtype)
+        self.net = plain.net(dtype)
         self.batches = batches
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor:
@@ -154,7 +70,7 @@ class Module(pl.LightningModule):
         return DataLoader(self.batches, batch_size=None)  # type: ignore[arg-type]
 
     def configure_optimizers(self) -> Any:
-        optimizer, schedule = _optimizer(self.parameters())
+        optimizer, schedule = plain.optimizer_and_schedule(self.parameters())
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
@@ -233,14 +149,6 @@ def _fit(
     return weights, callback, trainer
 
 
-def _assert_weights(
-    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float
-) -> None:
-    assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=tol, rtol=0, msg=name)
-
-
 def _assert_same_state(got: Any, want: Any, where: str = "state") -> None:
     """Nested preconditioner state: tensors within TOL64, everything else equal."""
     if isinstance(want, torch.Tensor):
@@ -257,32 +165,28 @@ def _assert_same_state(got: Any, want: Any, where: str = "state") -> None:
         assert got == want, where
 
 
-def _moved(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
 # -- one process -----------------------------------------------------------------------
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_single_process_equals_plain_loop(tmp_path: Path, accumulation: int) -> None:
-    batches = _batches(0, STEPS * accumulation, torch.float64)
-    want, clipped = _reference(batches, accumulation)
+    batches = plain.batches(0, STEPS * accumulation, torch.float64)
+    want, clipped = _plain(batches, accumulation)
     got, callback, _ = _fit(batches, tmp_path, accumulation)
     pre = callback.preconditioner
     assert pre.steps == STEPS  # once per optimizer step, not per batch
     assert pre.options.accumulation_steps == accumulation
     assert pre.telemetry.kl_clipped_steps == clipped > 0
-    _assert_weights(got, want, TOL64)
+    plain.assert_weights(got, want, TOL64)
     # Teeth: without K-FAC the weights end far away.
-    plain, _ = _reference(batches, accumulation, kfac=False)
-    assert _moved(plain, want) > 1e4 * TOL64
+    raw, _ = _plain(batches, accumulation, kfac=False)
+    assert plain.moved(raw, want) > 1e4 * TOL64
 
 
 @pytest.mark.timeout(60)
 def test_16_mixed_passes_the_trainer_scaler_and_sees_unscaled_gradients(tmp_path: Path) -> None:
     """On CPU '16-mixed' needs its plugin given; Lightning unscales before the hook."""
-    batches = _batches(0, STEPS, torch.float32)
-    want, clipped = _reference(batches, 1, torch.float32, amp=True)
+    batches = plain.batches(0, STEPS, torch.float32)
+    want, clipped = _plain(batches, 1, torch.float32, amp=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got, callback, trainer = _fit(
@@ -297,16 +201,16 @@ def test_16_mixed_passes_the_trainer_scaler_and_sees_unscaled_gradients(tmp_path
     assert callback.preconditioner.options.grad_scaler is scaler
     assert not [w for w in caught if "unscale" in str(w.message)]
     assert callback.preconditioner.telemetry.kl_clipped_steps == clipped > 0
-    _assert_weights(got, want, TOL32)
+    plain.assert_weights(got, want, TOL32)
     # Teeth: the same loop preconditioning still-scaled gradients ends far away.
-    scaled, _ = _reference(batches, 1, torch.float32, amp=True, unscale_first=False)
-    assert _moved(scaled, want) > 1e3 * TOL32
+    scaled, _ = _plain(batches, 1, torch.float32, amp=True, unscale_first=False)
+    assert plain.moved(scaled, want) > 1e3 * TOL32
 
 
 @pytest.mark.timeout(60)
 def test_resume_from_checkpoint_equals_uninterrupted(tmp_path: Path) -> None:
     """Two epochs in one fit == one epoch, a checkpoint, and a resumed fit to two epochs."""
-    batches = _batches(0, STEPS, torch.float64)
+    batches = plain.batches(0, STEPS, torch.float64)
     options = {**OPTIONS, "inv_update_steps": 3}  # the resume lands between inverse updates
 
     def fit(epochs: int, ckpt: Path | None = None) -> tuple[pl.LightningModule, KFACCallback, Any]:
@@ -324,7 +228,7 @@ def test_resume_from_checkpoint_equals_uninterrupted(tmp_path: Path) -> None:
     assert state[CHECKPOINT_KEY]["steps"] == STEPS
     resumed, resumed_cb, _ = fit(2, ckpt)
     assert resumed_cb.preconditioner.steps == whole_cb.preconditioner.steps == 2 * STEPS
-    _assert_weights(resumed.state_dict(), whole.state_dict(), TOL64)
+    plain.assert_weights(resumed.state_dict(), whole.state_dict(), TOL64)
     _assert_same_state(resumed_cb.preconditioner.state_dict(), whole_cb.preconditioner.state_dict())
 
     # Teeth: the same checkpoint without kaisa's state resumes with fresh
@@ -334,15 +238,15 @@ def test_resume_from_checkpoint_equals_uninterrupted(tmp_path: Path) -> None:
     torch.save(state, bare)
     with pytest.warns(RuntimeWarning, match="no preconditioner state"):
         fresh, _, _ = fit(2, bare)
-    assert _moved(fresh.state_dict(), whole.state_dict()) > 1e4 * TOL64
+    assert plain.moved(fresh.state_dict(), whole.state_dict()) > 1e4 * TOL64
 
 
 # -- two processes ---------------------------------------------------------------------
 def _ddp_case(rank: int, world_size: int, root: str) -> dict[int, Any]:
     results = {}
     for accumulation in (1, 2):
-        batches = _batches(rank, STEPS * accumulation, torch.float64)
-        want, clipped = _reference(batches, accumulation)
+        batches = plain.batches(rank, STEPS * accumulation, torch.float64)
+        want, clipped = _plain(batches, accumulation)
         got, callback, trainer = _fit(batches, Path(root) / f"r{rank}a{accumulation}", accumulation)
         results[accumulation] = {
             "want": want,
@@ -367,18 +271,18 @@ def test_two_processes_ddp_equals_plain_ddp_loop(tmp_path: Path) -> None:
             assert result["steps"] == STEPS
             want_clipped, got_clipped = result["clipped"]
             assert got_clipped == want_clipped > 0
-            _assert_weights(result["got"], result["want"], TOL64)
+            plain.assert_weights(result["got"], result["want"], TOL64)
         # DDP keeps the ranks' weights identical; the data differed per rank.
-        _assert_weights(per_rank[1]["got"], per_rank[0]["got"], 0.0)
+        plain.assert_weights(per_rank[1]["got"], per_rank[0]["got"], 0.0)
     # Teeth: one process on rank 0's data alone ends elsewhere.
-    alone, _ = _reference(_batches(0, STEPS, torch.float64), 1)
-    assert _moved(alone, ranks[0][1]["want"]) > 1e4 * TOL64
+    alone, _ = _plain(plain.batches(0, STEPS, torch.float64), 1)
+    assert plain.moved(alone, ranks[0][1]["want"]) > 1e4 * TOL64
 
 
 # -- errors and packaging --------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_conflicting_accumulation_steps_are_refused(tmp_path: Path) -> None:
-    module = Module(_batches(0, 4, torch.float64), torch.float64)
+    module = Module(plain.batches(0, 4, torch.float64), torch.float64)
     trainer = _trainer(tmp_path, 2, callbacks=[KFACCallback(accumulation_steps=3)])
     with pytest.raises(
         ValueError,
@@ -399,7 +303,7 @@ def test_conflicting_accumulation_steps_are_refused(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_given_preconditioner_is_used(tmp_path: Path) -> None:
-    batches = _batches(0, STEPS, torch.float64)
+    batches = plain.batches(0, STEPS, torch.float64)
     module = Module(batches, torch.float64)
     given = kaisa.KFACPreconditioner(
         module, lr=lambda step: module.trainer.optimizers[0].param_groups[0]["lr"], **OPTIONS
@@ -407,8 +311,8 @@ def test_given_preconditioner_is_used(tmp_path: Path) -> None:
     callback = KFACCallback(given)
     _trainer(tmp_path, callbacks=[callback]).fit(module)
     assert callback.preconditioner is given and given.steps == STEPS
-    want, _ = _reference(batches, 1)
-    _assert_weights(module.net.state_dict(), want, TOL64)
+    want, _ = _plain(batches, 1)
+    plain.assert_weights(module.net.state_dict(), want, TOL64)
 
 
 def test_missing_lightning_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
