@@ -124,8 +124,9 @@ def prepare_preconditioner(
     kind = accelerator.distributed_type
     if kind in _UNSUPPORTED:
         raise ValueError(
-            f"kaisa does not support accelerate's {kind} (K-FAC needs each layer's whole "
-            "weight gradient on every rank); plain, DDP and multi-CPU runs are supported"
+            f"kaisa's accelerate helper does not support accelerate's {kind} (untested); plain, "
+            "DDP and multi-CPU runs are supported, and kaisa supports DeepSpeed engines and "
+            "FSDP2 models in a plain loop (docs/deepspeed-fsdp.md)"
         )
     device = torch.device(accelerator.device)
     weight = next(iter(model.parameters()), None)

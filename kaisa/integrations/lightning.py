@@ -70,7 +70,8 @@ class KFACCallback(pl.Callback):
     Supported: automatic optimization, or manual optimization with one
     optimizer; single-device and DDP strategies (``'ddp'``, ``'ddp_spawn'``,
     ``'ddp_fork'``). Sharded strategies (FSDP, DeepSpeed, model parallel) are
-    refused: K-FAC needs each layer's whole gradient.
+    refused: untested through Lightning (kaisa supports DeepSpeed engines and
+    FSDP2 models in a plain loop).
     """
 
     def __init__(self, preconditioner: KFACPreconditioner | None = None, **kwargs: Any) -> None:
@@ -124,8 +125,9 @@ class KFACCallback(pl.Callback):
         if not supported or isinstance(strategy, DeepSpeedStrategy):
             raise ValueError(
                 "KFACCallback supports single-device and DDP strategies; got "
-                f"{type(strategy).__name__} (K-FAC needs each layer's whole weight gradient on "
-                "every rank, which sharded strategies do not hold)"
+                f"{type(strategy).__name__}: the callback is untested with sharded strategies; "
+                "kaisa itself supports DeepSpeed engines and FSDP2 models in a plain loop "
+                "(docs/deepspeed-fsdp.md)"
             )
 
     def _scaler(self, trainer: pl.Trainer) -> Any:

@@ -255,3 +255,14 @@ def test_kaisa_integrations_imports_no_framework() -> None:
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_sharded_accelerate_setup_is_refused_naming_it_and_the_alternative() -> None:
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    fake = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED)
+    with pytest.raises(ValueError, match=r"DistributedType\.DEEPSPEED") as caught:
+        prepare_preconditioner(fake, plain.net(torch.float64))  # type: ignore[arg-type]
+    assert "docs/deepspeed-fsdp.md" in str(caught.value)

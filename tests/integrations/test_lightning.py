@@ -331,3 +331,15 @@ def test_kaisa_integrations_imports_no_framework() -> None:
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_sharded_strategy_is_refused_naming_it_and_the_alternative() -> None:
+    from types import SimpleNamespace
+
+    class ShardedStrategy:  # neither single-device nor DDP
+        pass
+
+    trainer = SimpleNamespace(strategy=ShardedStrategy())
+    with pytest.raises(ValueError, match="ShardedStrategy") as caught:
+        KFACCallback._check_strategy(trainer)  # type: ignore[arg-type]
+    assert "docs/deepspeed-fsdp.md" in str(caught.value)
