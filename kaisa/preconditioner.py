@@ -187,7 +187,6 @@ class _Layer:
     block: KroneckerBlock
     keys: tuple[PayloadKey, ...]
     called: bool = False
-    pending: int = 0  # forward calls whose output gradient has not arrived yet
     micro_batches: int = 0  # passes whose every capture of this layer is complete
     #: Per open pass (see ``KFACPreconditioner._pass_of``), its calls of this
     #: layer whose output gradient has not arrived yet.
@@ -205,10 +204,14 @@ class _Layer:
     #: This rank preconditions the layer's gradient (KAISA's plan; set with the plan).
     grad_worker: bool = True
 
+    @property
+    def pending(self) -> int:
+        """Forward calls whose output gradient has not arrived yet."""
+        return sum(self.open_passes.values())
+
     def reset(self) -> None:
         self.called = False
         self.extra_passes = 0
-        self.pending = 0
         self.micro_batches = 0
         self.open_passes.clear()
         self.last_pass = 0
@@ -728,7 +731,6 @@ class KFACPreconditioner:
             layer.extra_passes += 1
             return
         with self.telemetry.timer("capture"):
-            layer.pending += 1
             layer.open_passes[pass_id] = layer.open_passes.get(pass_id, 0) + 1
             # The input enters A only when its output gradient arrives: a forward
             # whose backward never runs leaves no trace in the factors. Autograd
@@ -741,7 +743,8 @@ class KFACPreconditioner:
         """A forward pass of the whole model (while training with autograd on) begins."""
         if module.training and torch.is_grad_enabled():
             self._root_passes += 1
-            if _inferring_pipeline_shapes():
+            # (Only a capture can take a placeholder pass for a micro-batch.)
+            if self._capture_this_step and _inferring_pipeline_shapes():
                 self._ignored_passes.add(self._root_passes)
 
     def _pass_of(self, layer: _Layer) -> int:
@@ -787,7 +790,6 @@ class KFACPreconditioner:
             else:
                 layer.inputs.append(x)
                 layer.grad_outputs.append(delta)
-            layer.pending -= 1
             left = layer.open_passes[pass_id] - 1
             if left:
                 layer.open_passes[pass_id] = left
@@ -895,14 +897,13 @@ class KFACPreconditioner:
                 stacklevel=4,  # _update_factors, step, torch's no_grad wrapper, user
             )
         for layer in self._layers:
-            if layer.pending:
+            if layer.open_passes:
                 warnings.warn(
                     f"kaisa: layer {layer.name!r} ran forward without a backward pass this "
                     "step; its unfinished captures are dropped",
                     RuntimeWarning,
                     stacklevel=4,  # _update_factors, step, torch's no_grad wrapper, user
                 )
-                layer.pending = 0
                 layer.open_passes.clear()
             if not layer.submitted:
                 self._submit(layer)
