@@ -42,7 +42,14 @@ from kaisa.curvature.linalg import (
     unscale,
 )
 from kaisa.distributed.agreement import agreement_digest, check_agreement
-from kaisa.distributed.comm import Communicator, Payload, PayloadKey, default_world, plan_layout
+from kaisa.distributed.comm import (
+    Communicator,
+    Payload,
+    PayloadKey,
+    data_parallel_group,
+    default_world,
+    plan_layout,
+)
 from kaisa.distributed.plan import LayerShape, WorkPlan, make_plan
 from kaisa.layers import LayerHandler
 from kaisa.layers.base import Detachable, GradSelect
@@ -152,25 +159,6 @@ class RegisteredLayer:
     curvature: tuple[str, str]
     grad_worker: bool
     dormant: bool
-
-
-def _check_process_group(group: object) -> dist.ProcessGroup | None:
-    """``group`` if it is a usable data-parallel group (``None``: the whole world)."""
-    if group is None:
-        return None
-    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group gives non-members
-        raise ValueError(
-            "kaisa: process_group does not contain this process: build each "
-            "preconditioner on the members of its data-parallel group"
-        )
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            "process_group must be a torch.distributed.ProcessGroup (e.g. from "
-            f"dist.new_group) or None for the whole world; got {type(group).__name__}"
-        )
-    if group is dist.GroupMember.WORLD:
-        return None
-    return group
 
 
 @dataclass
@@ -440,7 +428,7 @@ class KFACPreconditioner:
             handler.grads = grad_access
         self._treatments = surveyed.treatments
         #: The data-parallel group KAISA plans over (``None``: the whole world).
-        self.process_group = _check_process_group(grad_access.process_group(process_group))
+        self.process_group = data_parallel_group(grad_access.process_group(process_group))
         self.rank, self.world_size = default_world(self.process_group)
         # A side the user fixes wins; else the layer kind's own (an embedding's
         # diagonal A); else the automatic choice.

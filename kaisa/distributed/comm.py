@@ -51,29 +51,46 @@ def plan_layout(plan: WorkPlan) -> dict[str, tuple[tuple[PayloadKey, int], ...]]
     }
 
 
+def data_parallel_group(group: object) -> dist.ProcessGroup | None:
+    """``group`` checked as the data-parallel group to plan over (``None``: the whole world).
+
+    Refused: something that is not a process group, a group this process is
+    not a member of (``new_group`` gives non-members a sentinel), or a group
+    without an initialised ``torch.distributed``.
+    """
+    if group is None:
+        return None
+    outside = ValueError(
+        "kaisa: process_group does not contain this process: build each "
+        "preconditioner on the members of its data-parallel group"
+    )
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise outside
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            "process_group must be a torch.distributed.ProcessGroup (e.g. from "
+            f"dist.new_group) or None for the whole world; got {type(group).__name__}"
+        )
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "kaisa: process_group was given but torch.distributed is not initialised"
+        )
+    if group is dist.GroupMember.WORLD:
+        return None
+    if dist.get_rank(group) < 0:
+        raise outside
+    return group
+
+
 def default_world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     """``(rank, world_size)`` in ``group`` (the default process group when ``None``).
 
-    ``(0, 1)`` without an initialised process group. A process outside
-    ``group`` is an error: a preconditioner plans over the group it is a
-    member of.
+    ``(0, 1)`` without an initialised process group; ``group`` as
+    :func:`data_parallel_group` returns it.
     """
     if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise RuntimeError(
-                "kaisa: process_group was given but torch.distributed is not initialised"
-            )
         return 0, 1
-    if group is None:
-        return dist.get_rank(), dist.get_world_size()
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError(
-            f"kaisa: process_group does not contain this process (global rank "
-            f"{dist.get_rank()}): build each preconditioner on the members of its "
-            "data-parallel group"
-        )
-    return rank, dist.get_world_size(group)
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 _TRIU_CACHE: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
