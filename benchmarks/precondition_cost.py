@@ -11,11 +11,15 @@ the blocks hold real curvature), then, on one set of gradients:
   ``step()``, AdamW) with and without kaisa, the two arms alternating, and
   their ratio.
 
+With ``--profile``, also the operator calls one preconditioning makes
+(``torch.profiler``, averaged over 50 calls; the gradient restore excluded)
+and the five most frequent.
+
 The machine's load is printed before and after; nothing else should run.
 Nothing is asserted.
 
     python benchmarks/precondition_cost.py
-    python benchmarks/precondition_cost.py --models vit --repeats 400
+    python benchmarks/precondition_cost.py --models vit --repeats 400 --profile
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +49,22 @@ def _median_ms(fn: Callable[[], None], repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure(name: str, warmup: int, repeats: int) -> dict[str, float]:
+def _operator_calls(fn: Callable[[], None], restore: Callable[[], None]) -> list[tuple[str, float]]:
+    """Operator calls per call of ``fn`` (minus ``restore``'s), most frequent first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    counts: dict[str, float] = {}
+    for sign, target in ((1.0, fn), (-1.0, restore)):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(50):
+                target()
+        for event in prof.key_averages():
+            if event.key.startswith("aten::"):
+                counts[event.key] = counts.get(event.key, 0.0) + sign * event.count / 50
+    return sorted(((k, v) for k, v in counts.items() if v > 0), key=lambda kv: -kv[1])
+
+
+def measure(name: str, warmup: int, repeats: int, profile: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
     x, y = torch.randn(BATCH, 1, 28, 28), torch.randint(0, 10, (BATCH,))
     models = {arm: build_model(name) for arm in ("adamw", "kaisa")}
@@ -93,7 +113,9 @@ def measure(name: str, warmup: int, repeats: int) -> dict[str, float]:
         restore()
 
     precondition = _median_ms(precondition_only, repeats) - _median_ms(restore_only, repeats)
+    calls = _operator_calls(precondition_only, restore_only) if profile else []
     return {
+        "operator_calls": calls,
         "layers": float(len(pre.layers)),
         "precondition_ms": precondition,
         "adamw_step_ms": adamw,
@@ -108,6 +130,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=100, help="training steps first")
     parser.add_argument("--repeats", type=int, default=200, help="timed calls per median")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--profile", action="store_true", help="count operator calls")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"load before {load_average()}")
@@ -116,11 +139,15 @@ def main() -> None:
         f"{'+ kaisa step':>13} {'ratio':>6}"
     )
     for name in args.models.split(","):
-        r = measure(name, args.warmup, args.repeats)
+        r = measure(name, args.warmup, args.repeats, args.profile)
         print(
             f"{name:<10} {r['layers']:>6.0f} {r['precondition_ms']:>10.2f} ms "
             f"{r['adamw_step_ms']:>8.2f} ms {r['kaisa_step_ms']:>10.2f} ms {r['ratio']:>6.3f}"
         )
+        if r["operator_calls"]:
+            total = sum(count for _, count in r["operator_calls"])
+            top = ", ".join(f"{k} {v:.0f}" for k, v in r["operator_calls"][:5])
+            print(f"{'':<10} operator calls per preconditioning: {total:.0f} ({top})")
     print(f"load after {load_average()}")
 
 
