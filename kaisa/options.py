@@ -171,6 +171,7 @@ class KFACOptions:
     factor_init: FactorInit = "first_batch"
     curvature: Any = "auto"
     time_budget: float = 0.1
+    calibrate_budget: bool = True
     # Derived, validated views.
     hyper: dict[str, Hyperparameter] = field(init=False, repr=False, compare=False)
     #: Which of :data:`AUTO_OPTIONS` were left to the automatic choice.
@@ -250,6 +251,7 @@ class KFACOptions:
             "compute_eigenvalue_outer_product",
             "symmetry_aware",
             "update_factors_in_hook",
+            "calibrate_budget",
         ):
             _flag(name, getattr(self, name))
         # The fraction is checked against every world size later; here its form.

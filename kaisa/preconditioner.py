@@ -13,7 +13,9 @@ import dataclasses
 import functools
 import logging
 import math
+import statistics
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +35,13 @@ from kaisa.curvature.block import (
     check_block_state,
     check_count,
 )
-from kaisa.curvature.budget import BudgetChoice, LayerWork, choose_curvature
+from kaisa.curvature.budget import (
+    MAX_TIME_SCALE,
+    BudgetChoice,
+    LayerWork,
+    choose_curvature,
+    time_scale,
+)
 from kaisa.curvature.costs import Capture, SideSpec
 from kaisa.curvature.linalg import (
     finite_with_values,
@@ -71,6 +79,10 @@ _ALL_KEYS: tuple[PayloadKey, ...] = (
 #: Problems remain warnings (``warnings.warn``), so that they reach the user
 #: whatever the logging configuration.
 log = logging.getLogger("kaisa")
+
+#: Steps between the first automatic choice and its clock calibration
+#: (``calibrate_budget``): their forward and backward passes are timed.
+CALIBRATION_STEPS = 10
 
 #: The checkpoint format :meth:`KFACPreconditioner.state_dict` writes. A state
 #: dict without a ``"format"`` key is format 1, from before curvature
@@ -324,6 +336,14 @@ class KFACPreconditioner:
             representation and the intervals left as ``None`` to fit it
             (:mod:`kaisa.curvature.budget`; ``curvature_choice`` holds the
             outcome). The choice depends on the rows each rank sees.
+        calibrate_budget: measure the iteration on the clock and choose again
+            (default ``True``): :data:`CALIBRATION_STEPS` steps after the
+            first choice, the median forward-and-backward time of those steps
+            and one factor update's captures scale the budget's allowance by
+            how much slower the iteration runs than the registered layers'
+            multiply-adds suggest (:func:`kaisa.curvature.budget.time_scale`;
+            maxima over the ranks, so every rank chooses alike). ``False``:
+            the cost model alone, the same choice on every machine.
         process_group: the data-parallel group over which this model's layers
             are replicated (default: the whole world). KAISA's plan, its
             collectives and the agreement check span this group only, so
@@ -368,6 +388,7 @@ class KFACPreconditioner:
         factor_init: str = "first_batch",
         curvature: str | tuple[str, str] | Mapping[str, str | tuple[str, str]] = "auto",
         time_budget: float = 0.1,
+        calibrate_budget: bool = True,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -406,6 +427,7 @@ class KFACPreconditioner:
             factor_init=factor_init,  # type: ignore[arg-type]
             curvature=curvature,
             time_budget=time_budget,
+            calibrate_budget=calibrate_budget,
         )
         surveyed = survey(
             model, self.options.skip_layers, conv_estimator=self.options.conv_factor_estimator
@@ -454,6 +476,15 @@ class KFACPreconditioner:
         )
         if not self._choice_pending:  # only the decay, if anything, is left automatic
             self.options.set_chosen(0, 0)
+        # The clock calibration (calibrate_budget): pending while an automatic
+        # choice is to be made and measured; the step it reopens the choice at.
+        self._calibrated = not (self._choice_pending and self.options.calibrate_budget)
+        self._calibrate_at: int | None = None
+        self._calibrating = False
+        self._pass_start: float | None = None
+        self._pass_seconds: list[float] = []
+        self._pass_mark = 0.0
+        self._capture_mark = 0.0
         self.plan: WorkPlan = self._make_plan([(name, h, provisional[name]) for name, h in found])
         first_weight = found[0][1].weight
         self.device = first_weight.device
@@ -614,6 +645,7 @@ class KFACPreconditioner:
             )
         hyper = self.options.hyper
         auto = self.options.auto
+        scale = self._measured_scale(works, rows) if self._calibrating else 1.0
         choice = choose_curvature(
             works,
             self.options.time_budget,
@@ -624,8 +656,11 @@ class KFACPreconditioner:
             if "inv_update_steps" in auto
             else hyper["inv_update_steps"].int_at(self._steps),
             compute_method=self.options.compute_method,
+            scale=scale,
+            calibrated=self._calibrating,
         )
-        if not choice.within_budget:
+        previous = self.curvature_choice
+        if not choice.within_budget and (previous is None or previous.within_budget):
             warnings.warn(
                 f"kaisa: time_budget={self.options.time_budget:g} cannot be met on this model "
                 f"(the cheapest curvature costs {choice.share:.3g} of the layers' work); "
@@ -634,11 +669,67 @@ class KFACPreconditioner:
                 stacklevel=5,  # _choose, _update_factors, step, torch's no_grad wrapper, user
             )
         self._apply_choice(choice)
+        if self._calibrating:
+            # Re-made blocks start from this step's factors; every block decomposes now.
+            self._calibrating = False
+            self._force_inverse_update = True
+
+    def _measured_scale(
+        self, works: Sequence[LayerWork], rows: Callable[[str, PayloadKey], float]
+    ) -> float:
+        """The budget's time scale from the clock (equal on every rank: maxima)."""
+        capture_seconds = self._captured_seconds() - self._capture_mark
+        passes = statistics.median(self._pass_seconds) if self._pass_seconds else 0.0
+        passes, capture_seconds = self.comm.max_over_ranks([passes, capture_seconds])
+        capture_work = sum(
+            layer.handler.capture_work(key[0], key[1], rows(layer.name, key))
+            for layer in self._layers
+            for key in layer.keys
+        )
+        training = sum(work.training for work in works)
+        scale = time_scale(passes, capture_seconds, capture_work, training)
+        log.info(
+            "kaisa: budget calibration at step %d: forward+backward %.2f ms (median of %d), "
+            "captures %.2f ms for %.3g multiply-adds; time scale %.3g",
+            self._steps,
+            passes * 1e3,
+            len(self._pass_seconds),
+            capture_seconds * 1e3,
+            capture_work,
+            scale,
+        )
+        return scale
+
+    def _reopen_choice(self) -> None:
+        """After CALIBRATION_STEPS steps: capture everything once more and choose again."""
+        self._calibrate_at = None
+        self._calibrating = True
+        self._choice_pending = True
+        for layer in self._layers:
+            layer.keys = self._keys(layer.name, layer.block)
+        self.comm.set_layout(self._layout(), self.plan)
+        self._capture_this_step = True
+        self._capture_mark = self._captured_seconds()
+
+    def _captured_seconds(self) -> float:
+        phases = self.telemetry.phase_seconds
+        return phases.get("capture", 0.0) + phases.get("factor_products", 0.0)
+
+    def _sync_clock(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _apply_choice(self, choice: BudgetChoice) -> None:
         """Install a choice: blocks, plan, factor layout and intervals (between steps)."""
         self._choice_pending = False
         self.curvature_choice = choice
+        if choice.calibrated or not self.options.calibrate_budget:
+            self._calibrated = True
+            self._calibrate_at = None
+        else:
+            self._calibrated = False
+            self._calibrate_at = self._steps + CALIBRATION_STEPS
+            self._pass_seconds.clear()
         if log.isEnabledFor(logging.INFO):
             log.info(
                 "kaisa: automatic curvature choice at step %d:\n%s", self._steps, choice.describe()
@@ -730,6 +821,10 @@ class KFACPreconditioner:
     def _root_forward(self, module: nn.Module, args: object) -> None:
         """A forward pass of the whole model (while training with autograd on) begins."""
         if module.training and torch.is_grad_enabled():
+            if self._calibrate_at is not None and self._pass_start is None:
+                self._sync_clock()
+                self._pass_mark = self._captured_seconds()
+                self._pass_start = time.perf_counter()
             self._root_passes += 1
             # (Only a capture can take a placeholder pass for a micro-batch.)
             if self._capture_this_step and _inferring_pipeline_shapes():
@@ -856,6 +951,11 @@ class KFACPreconditioner:
             )
         held = sum(layer.capture_bytes() for layer in self._layers)
         self._peak_capture_bytes = max(self._peak_capture_bytes, held)
+        if self._pass_start is not None:
+            # The passes without the captures kaisa ran inside them.
+            self._sync_clock()
+            captured = self._captured_seconds() - self._pass_mark
+            self._pass_seconds.append(time.perf_counter() - self._pass_start - captured)
         try:
             if self._capture_this_step and self.model.training:
                 self._update_factors()
@@ -871,7 +971,10 @@ class KFACPreconditioner:
             self._step_scale = None
             self._grads.release()
             self._steps += 1
+            self._pass_start = None
             self._capture_this_step = self._is_factor_step()
+            if self._calibrate_at is not None and self._steps >= self._calibrate_at:
+                self._reopen_choice()
             self.telemetry.end_step()
 
     def _update_factors(self) -> None:
@@ -1142,7 +1245,9 @@ class KFACPreconditioner:
         if not isinstance(saved, Mapping):
             raise TypeError(f"{where} must be a dict or None; got {type(saved).__name__}")
         fields = [f.name for f in dataclasses.fields(BudgetChoice)]
-        missing = [name for name in fields if name not in saved]
+        # (Checkpoints from before the clock calibration lack its two fields.)
+        optional = ("time_scale", "calibrated")
+        missing = [name for name in fields if name not in saved and name not in optional]
         unexpected = sorted(repr(key) for key in saved if key not in fields)
         if missing or unexpected:
             raise ValueError(
@@ -1181,6 +1286,18 @@ class KFACPreconditioner:
         within = saved["within_budget"]
         if not isinstance(within, bool):
             raise TypeError(f"{where}: 'within_budget' must be True or False; got {within!r}")
+        calibrated = saved.get("calibrated", False)
+        if not isinstance(calibrated, bool):
+            raise TypeError(f"{where}: 'calibrated' must be True or False; got {calibrated!r}")
+        scale = saved.get("time_scale", 1.0)
+        if (
+            isinstance(scale, bool)
+            or not isinstance(scale, (int, float))
+            or not 1.0 <= scale <= MAX_TIME_SCALE
+        ):
+            raise ValueError(
+                f"{where}: 'time_scale' must be a number in [1, {MAX_TIME_SCALE:g}]; got {scale!r}"
+            )
         choice = BudgetChoice(
             specs=specs,
             factor_update_steps=factor_steps,
@@ -1189,6 +1306,8 @@ class KFACPreconditioner:
             training_work=work[1],
             budget=work[2],
             within_budget=within,
+            time_scale=float(scale),
+            calibrated=calibrated,
         )
         if set(specs) != {layer.name for layer in self._layers}:
             raise ValueError(f"{where} names other layers than registered")
@@ -1425,6 +1544,8 @@ class KFACPreconditioner:
                 restore.blocks[layer.name], second_order=layer.name in restore.second_order
             )
         self._steps = restore.steps
+        if self._calibrate_at is not None:  # an uncalibrated choice: measure from here
+            self._calibrate_at = self._steps + CALIBRATION_STEPS
         self._capture_this_step = self._is_factor_step()
         self._force_inverse_update = restore.recompute
 

@@ -31,6 +31,7 @@ from kaisa.curvature.budget import (
 )
 from kaisa.curvature.costs import APPLY_WEIGHT, CAPTURE_WEIGHT, EIGH_COST
 from kaisa.options import REFERENCE_DEFAULTS
+from kaisa.preconditioner import CALIBRATION_STEPS
 
 UNMEETABLE = "kaisa: time_budget=.* cannot be met"
 
@@ -220,12 +221,15 @@ def test_an_unmeetable_budget_warns_once_and_takes_the_cheapest() -> None:
     assert "using the cheapest" in messages[0]
     choice = pre.curvature_choice
     assert choice is not None and not choice.within_budget
-    assert choice == choose_curvature(mlp_work(), 1e-6)
+    # (Calibrated on the clock at step CALIBRATION_STEPS: the cheapest still.)
+    assert choice.calibrated
+    assert choice == choose_curvature(mlp_work(), 1e-6, scale=choice.time_scale, calibrated=True)
     assert specs_of(pre) == {"fc1": ("diagonal", "diagonal"), "fc2": ("diagonal", "diagonal")}
     assert pre.hyperparameter("factor_update_steps") == MAX_FACTOR_STEPS
     assert pre.hyperparameter("inv_update_steps") == MAX_INV_STEPS
     assert pre.hyperparameter("factor_decay") == pytest.approx(1 - MAX_FACTOR_STEPS / 200)
-    assert [layer.block.updates for layer in pre._layers] == [2, 2]
+    # Steps 0 and MAX_FACTOR_STEPS, and the calibration's capture at CALIBRATION_STEPS.
+    assert [layer.block.updates for layer in pre._layers] == [3, 3]
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -275,12 +279,20 @@ def test_fixed_intervals_are_kept_and_the_decay_follows_them(
     choice = pre.curvature_choice
     assert choice is not None
     assert choice.factor_update_steps == factor_update_steps
-    assert choice == choose_curvature(mlp_work(), 1e6, factor_update_steps=factor_update_steps)
+    assert choice.calibrated  # at step CALIBRATION_STEPS
+    assert choice == choose_curvature(
+        mlp_work(),
+        1e6,
+        factor_update_steps=factor_update_steps,
+        scale=choice.time_scale,
+        calibrated=True,
+    )
     assert pre.hyperparameter("factor_update_steps") == factor_update_steps
     assert pre.hyperparameter("inv_update_steps") == choice.inv_update_steps
     assert pre.hyperparameter("factor_decay") == pytest.approx(decay)
-    # Factor updates at the multiples of the interval among steps 0..10.
-    expected_updates = len(range(0, 11, factor_update_steps))
+    # Factor updates at the multiples of the interval among steps 0..10, and at
+    # the calibration (step 10).
+    expected_updates = len({*range(0, 11, factor_update_steps), CALIBRATION_STEPS})
     assert [layer.block.updates for layer in pre._layers] == [expected_updates] * 2
 
 

@@ -29,10 +29,23 @@ The rule, in full:
    :attr:`BudgetChoice.within_budget` is ``False`` (the caller warns once).
 
 Sides and intervals the user fixed are counted but never moved.
+
+**Calibration by the clock** (:func:`time_scale`). The registered layers'
+multiply-adds are not the whole iteration: a transformer also runs attention
+scores, softmax, normalisation, activations and many small operators the
+model does not count (the suite's ViT trains at 17 M modelled multiply-adds
+per ms, its CNNs at 55–71). So after a few steps the preconditioner measures
+the forward and backward passes and one factor update on the clock, converts
+the passes into capture multiply-adds at the measured capture speed, and
+chooses again with the allowance scaled by ``time_scale`` = measured over
+modelled training work (at least 1, rounded down to a power of √2, at most
+:data:`MAX_TIME_SCALE`). The rule above is unchanged; only its allowance
+grows where the iteration is slower than its counted multiply-adds.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,6 +55,7 @@ __all__ = [
     "LOW_RANKS",
     "MAX_FACTOR_STEPS",
     "MAX_INV_STEPS",
+    "MAX_TIME_SCALE",
     "MIN_FACTOR_STEPS",
     "MIN_INV_STEPS",
     "BudgetChoice",
@@ -49,6 +63,7 @@ __all__ = [
     "choose_curvature",
     "kfac_work",
     "ladder",
+    "time_scale",
     "training_work",
 ]
 
@@ -57,6 +72,8 @@ MAX_FACTOR_STEPS = 80
 MIN_INV_STEPS = 100
 MAX_INV_STEPS = 800
 LOW_RANKS = (256, 128, 64, 32, 16, 8)
+#: The largest factor by which a measured iteration widens the allowance.
+MAX_TIME_SCALE = 16.0
 
 
 @dataclass(frozen=True)
@@ -124,16 +141,22 @@ class BudgetChoice:
     training_work: float
     budget: float
     within_budget: bool
+    #: Measured iteration over modelled training work (1: the model alone).
+    time_scale: float = 1.0
+    #: Whether this choice was made after the clock calibration.
+    calibrated: bool = False
 
     @property
     def share(self) -> float:
-        """K-FAC's work per step over the layers' training work."""
+        """K-FAC's work per step over the layers' training work (as modelled)."""
         return self.kfac_work / self.training_work if self.training_work else 0.0
 
     def describe(self) -> str:
         lines = [
             f"curvature budget {self.budget:g}: K-FAC work {self.share:.3f} of the layers' "
-            f"training work; factors every {self.factor_update_steps}, inverses every "
+            f"training work"
+            + (f" (the iteration measured at {self.time_scale:.3g}x it)" if self.calibrated else "")
+            + f"; factors every {self.factor_update_steps}, inverses every "
             f"{self.inv_update_steps} steps"
             + ("" if self.within_budget else " (over budget: cheapest choice)")
         ]
@@ -185,12 +208,22 @@ def choose_curvature(
     factor_update_steps: int | None = None,
     inv_update_steps: int | None = None,
     compute_method: str = "eigen",
+    scale: float = 1.0,
+    calibrated: bool = False,
 ) -> BudgetChoice:
-    """Apply the rule of the module docstring; ``None`` intervals are free to choose."""
+    """Apply the rule of the module docstring; ``None`` intervals are free to choose.
+
+    ``scale`` (from :func:`time_scale`) multiplies the allowance:
+    ``time_budget * scale * training work``.
+    """
     if isinstance(time_budget, bool) or not isinstance(time_budget, (int, float)):
         raise TypeError(f"time_budget must be a number > 0; got {time_budget!r}")
     if not time_budget > 0 or time_budget == float("inf"):
         raise ValueError(f"time_budget must be a finite number > 0; got {time_budget!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a number in [1, {MAX_TIME_SCALE:g}]; got {scale!r}")
+    if not 1.0 <= scale <= MAX_TIME_SCALE:
+        raise ValueError(f"scale must be a number in [1, {MAX_TIME_SCALE:g}]; got {scale!r}")
     ladders: list[list[list[SideSpec]]] = []
     index: list[list[int]] = []
     for layer in layers:
@@ -210,7 +243,7 @@ def choose_curvature(
         return sum(work(k, index[k], f_, i_) for k in range(len(layers)))
 
     train = sum(training_work(layer) for layer in layers)
-    allowed = time_budget * train
+    allowed = time_budget * scale * train
     current = total(f, i)
     while current > allowed:
         best: tuple[float, int, int, int, int] | None = None  # (saving, kind, layer, side, rung)
@@ -260,4 +293,34 @@ def choose_curvature(
         training_work=train,
         budget=float(time_budget),
         within_budget=current <= allowed,
+        time_scale=float(scale),
+        calibrated=calibrated,
     )
+
+
+def time_scale(
+    training_seconds: float, capture_seconds: float, capture_work: float, training: float
+) -> float:
+    """How much slower the iteration runs than its modelled training work, on the clock.
+
+    ``training_seconds``: one step's forward and backward passes;
+    ``capture_seconds``: one factor update's captures, which were
+    ``capture_work`` multiply-adds; ``training``: the registered layers'
+    modelled training work. A capture multiply-add weighs
+    :data:`~kaisa.curvature.costs.CAPTURE_WEIGHT` training ones, so the passes
+    are worth ``training_seconds / (capture_seconds / capture_work /
+    CAPTURE_WEIGHT)`` modelled multiply-adds; the scale is that over
+    ``training``, at least 1 (time the model does not see only adds), rounded
+    down to a power of √2 (a small change in a measurement rarely changes the
+    choice) and at most :data:`MAX_TIME_SCALE`. Without a usable measurement
+    (any value not finite and > 0) it is 1.
+    """
+    values = (training_seconds, capture_seconds, capture_work, training)
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values):
+        return 1.0
+    measured = training_seconds * capture_work * CAPTURE_WEIGHT / capture_seconds
+    ratio = measured / training
+    if ratio <= 1.0:
+        return 1.0
+    steps = math.floor(2.0 * math.log2(ratio) + 1e-9)  # powers of √2
+    return float(min(MAX_TIME_SCALE, 2.0 ** (steps / 2.0)))

@@ -275,6 +275,13 @@ def _option(
     group.add_argument(*flags, help=text.replace("%", "%%"), **kwargs)
 
 
+def _on_off(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected 'on' or 'off'; got {text!r}")
+    return value == "on"
+
+
 def _library_default(name: str) -> str:
     """``kaisa.KFACPreconditioner``'s default for ``name``, as the help shows it."""
     shown = "the library's"
@@ -480,6 +487,15 @@ def _parser() -> _Parser:
     )
     _option(
         g,
+        "--calibrate-budget",
+        type=_on_off,
+        metavar="{on,off}",
+        help="'off': the curvature choice from the cost model alone (the same on every "
+        "machine); 'on': re-chosen after 10 steps from the measured iteration",
+        default_text="the library's, on",
+    )
+    _option(
+        g,
         "--grad-worker-fraction",
         type=_gwf,
         help="KAISA gradient-worker fraction with --nproc (1: COMM-OPT, 1/N: MEM-OPT)",
@@ -596,6 +612,7 @@ def _kfac_overrides(args: argparse.Namespace) -> KfacConfig:
         conv_factor_estimator=args.conv_factor_estimator,
         damping_mode=args.damping_mode,
         factor_init=args.factor_init,
+        calibrate_budget=args.calibrate_budget,
     )
 
 

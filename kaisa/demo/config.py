@@ -174,6 +174,7 @@ class KfacConfig:
     conv_factor_estimator: str | None = None
     damping_mode: str | None = None
     factor_init: str | None = None
+    calibrate_budget: bool | None = None
 
     def overrides(self) -> dict[str, Any]:
         """Keyword arguments for ``KFACPreconditioner``: the fields that are set."""

@@ -68,6 +68,7 @@ _PLAIN = (
     "damping_mode",
     "factor_init",
     "time_budget",
+    "calibrate_budget",
     "update_factors_in_hook",
     "conv_factor_estimator",
 )

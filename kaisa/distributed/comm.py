@@ -458,6 +458,23 @@ class Communicator:
         self.telemetry.count("layer_flags", tensor)
         return [value > 0 for value in tensor.tolist()]
 
+    def max_over_ranks(self, values: Sequence[float]) -> list[float]:
+        """Each value's maximum over the ranks (a tiny all-reduce, float64).
+
+        Used once per run, to make the budget's clock calibration equal on every
+        rank. Counted in telemetry as 'layer_flags', outside spec §5's cost model.
+        """
+        if not self.distributed or not values:
+            return [float(v) for v in values]
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        work = dist.all_reduce(
+            tensor, op=dist.ReduceOp.MAX, group=self.allreduce_group, async_op=True
+        )
+        assert work is not None
+        self._wait(work, "budget calibration")
+        self.telemetry.count("layer_flags", tensor)
+        return [float(v) for v in tensor.tolist()]
+
     # -- broadcasts ---------------------------------------------------------------
     def broadcast_decompositions(
         self,

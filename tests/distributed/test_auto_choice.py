@@ -43,6 +43,18 @@ def expected_choice() -> BudgetChoice:
     return choose_curvature(works, 0.1)
 
 
+def _averaged_backward(model: nn.Module, rank: int, world_size: int, gen: torch.Generator) -> None:
+    """This rank's rows forward and backward; gradients averaged over the ranks."""
+    x = torch.randn(LOCAL_ROWS[rank], IN, generator=gen)
+    y = torch.randint(0, CLASSES, (LOCAL_ROWS[rank],), generator=gen)
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    for p in model.parameters():
+        assert p.grad is not None
+        dist.all_reduce(p.grad)
+        p.grad.div_(world_size)
+
+
 def _train(rank: int, world_size: int, fraction: str) -> dict[str, object]:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -52,14 +64,7 @@ def _train(rank: int, world_size: int, fraction: str) -> dict[str, object]:
     weights = []
     choices = []
     for _ in range(STEPS):
-        x = torch.randn(LOCAL_ROWS[rank], IN, generator=gen)
-        y = torch.randint(0, CLASSES, (LOCAL_ROWS[rank],), generator=gen)
-        optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        for p in model.parameters():
-            assert p.grad is not None
-            dist.all_reduce(p.grad)
-            p.grad.div_(world_size)
+        _averaged_backward(model, rank, world_size, gen)
         preconditioner.step()
         optimizer.step()
         choices.append(preconditioner.curvature_choice)
@@ -122,3 +127,52 @@ def test_every_rank_makes_the_budgets_choice() -> None:
             )
         moved = results[0][fraction]["weights"]
         assert not torch.equal(moved[0], moved[-1]), where
+
+
+# -- the clock calibration: measured on each rank, agreed as the maximum ---------------------
+
+
+def _calibrate(rank: int, world_size: int) -> dict[str, object]:
+    import time
+
+    from kaisa.preconditioner import CALIBRATION_STEPS
+
+    class Clock:
+        now = 100.0
+
+        def __call__(self) -> float:
+            Clock.now += 1e-6
+            return Clock.now
+
+    time.perf_counter = Clock()  # this rank's process only
+    model = make_model()
+    preconditioner = kaisa.KFACPreconditioner(model, time_budget=0.01)
+    # Rank 1's passes take a second each on its clock, rank 0's nothing (a
+    # pre-hook after kaisa's, which starts the clock of a pass).
+    model.register_forward_pre_hook(lambda *_: setattr(Clock, "now", Clock.now + rank))
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(CALIBRATION_STEPS + 2):
+        _averaged_backward(model, rank, world_size, gen)
+        preconditioner.step()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.1 * p.grad)  # type: ignore[operator]
+    return {
+        "choice": preconditioner.curvature_choice,
+        "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+    }
+
+
+def test_the_clock_calibration_is_the_same_on_every_rank() -> None:
+    from kaisa.curvature.budget import MAX_TIME_SCALE
+
+    works = [
+        LayerWork.from_rows("0", IN + 1, HIDDEN, MEAN_ROWS),
+        LayerWork.from_rows("2", HIDDEN + 1, CLASSES, MEAN_ROWS),
+    ]
+    expected = choose_curvature(works, 0.01, scale=MAX_TIME_SCALE, calibrated=True)
+    assert expected.specs != choose_curvature(works, 0.01).specs  # the scale changes something
+    results = run_distributed(_calibrate, WORLD_SIZE, timeout=120)
+    for rank in range(WORLD_SIZE):
+        assert results[rank]["choice"] == expected, f"rank {rank}"
+        assert torch.equal(results[rank]["weights"], results[0]["weights"]), f"rank {rank}"
