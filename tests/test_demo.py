@@ -925,4 +925,9 @@ def test_the_summary_names_kaisas_automatic_choice() -> None:
     assert _choice_text(row) == (
         "factors/inverses every 80/100 steps, modelled share 0.090; A/G held as: fc1 kvec/lowrank:8"
     )
+    row["curvature_choice"].update(time_scale=2**1.5, calibrated=True)
+    assert _choice_text(row) == (
+        "factors/inverses every 80/100 steps, modelled share 0.090, budget scaled by the clock "
+        "2.83x; A/G held as: fc1 kvec/lowrank:8"
+    )
     assert _choice_text({}) == ""
