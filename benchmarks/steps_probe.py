@@ -1,0 +1,112 @@
+"""Steps to a workload's target for one kaisa arm under explicit K-FAC options.
+
+One run per seed, exactly as ``kaisa demo`` runs the arm (same model, data
+order, schedule, evaluation cadence, stop at the target), with keyword
+arguments added to ``kaisa.KFACPreconditioner`` (``--kfac``, JSON) and,
+optionally, an early-refresh schedule (``--early-refresh F,I``: factor and
+inverse intervals 10, 20, 40, … until they reach ``F`` and ``I``). It answers
+"would this option save steps?" before a full suite run; steps to the target
+do not depend on the machine's load (except through the budget's clock
+calibration, whose steps are powers of √2), so two probes may run side by side
+with one thread each. Nothing is asserted. Results are printed and appended
+as JSON lines to ``--out``. ::
+
+    python benchmarks/steps_probe.py --workload vit --arm kaisa-adamw --lr 0.008 \\
+        --seeds 0,1 --kfac '{"time_budget": 1.0}'
+    python benchmarks/steps_probe.py --workload gap_cnn --arm kaisa-sgd --lr 0.05 \\
+        --seeds 0,1,2 --early-refresh 40,100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import kaisa
+from kaisa.demo import train as demo_train
+from kaisa.demo.cli import build_config, parse_args
+from kaisa.demo.data import load_fashion_mnist
+
+
+def early_refresh(chosen: int) -> Callable[[int], int]:
+    """An interval schedule: 10, 20, 40, … (doubling from step 10) until ``chosen``."""
+
+    def at(step: int) -> int:
+        if step < 10 or step >= chosen:
+            return chosen
+        interval = 10
+        while 2 * interval <= step:
+            interval *= 2
+        return min(interval, chosen)
+
+    return at
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--workload", required=True)
+    p.add_argument("--arm", required=True, choices=("kaisa-sgd", "kaisa-adamw"))
+    p.add_argument("--lr", required=True, type=float)
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--kfac", default="{}", help="JSON keyword arguments for KFACPreconditioner")
+    p.add_argument("--early-refresh", default=None, metavar="F,I")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--out", type=Path, default=Path("runs/steps_probe.jsonl"))
+    args = p.parse_args(argv)
+    extra: dict[str, Any] = json.loads(args.kfac)
+    if not isinstance(extra, dict):
+        p.error("--kfac must be a JSON object")
+    if isinstance(extra.get("curvature"), list):
+        extra["curvature"] = tuple(extra["curvature"])
+    schedule: dict[str, Any] = {}
+    if args.early_refresh:
+        f, i = (int(v) for v in args.early_refresh.split(","))
+        schedule = {"factor_update_steps": early_refresh(f), "inv_update_steps": early_refresh(i)}
+    torch.set_num_threads(args.threads)
+
+    def make(model: torch.nn.Module, arm: Any, optimizer: Any) -> kaisa.KFACPreconditioner:
+        def current_lr(_step: int) -> float:
+            return float(optimizer.param_groups[0]["lr"])
+
+        return kaisa.KFACPreconditioner(
+            model, lr=current_lr, **{**arm.kfac.overrides(), **extra, **schedule}
+        )
+
+    demo_train._make_preconditioner = make  # the demo's run, these options
+    argv_demo = ["--workload", args.workload, "--arms", args.arm, "--lr", f"{args.arm}={args.lr}",
+                 "--threads", str(args.threads), "--no-progress", "--stop-at-target",
+                 "--out", "/tmp/steps_probe"]  # fmt: skip
+    if args.data_dir:
+        argv_demo += ["--data-dir", args.data_dir]
+    config = build_config(parse_args(argv_demo)).workloads[0]
+    data = load_fashion_mnist(config.data_dir)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for seed in (int(s) for s in args.seeds.split(",")):
+        start = time.time()
+        result = demo_train.train_arm(data, config, config.arms[0], seed, stop_at_target=True)
+        hit = result.first_reaching(config.target_accuracy)
+        row = {
+            "workload": args.workload,
+            "arm": args.arm,
+            "lr": args.lr,
+            "seed": seed,
+            "kfac": args.kfac,
+            "early_refresh": args.early_refresh,
+            "steps": None if hit is None else hit.step,
+            "wall_s": round(time.time() - start, 1),
+        }
+        print(json.dumps(row), flush=True)
+        with args.out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
