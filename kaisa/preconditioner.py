@@ -476,9 +476,8 @@ class KFACPreconditioner:
         )
         if not self._choice_pending:  # only the decay, if anything, is left automatic
             self.options.set_chosen(0, 0)
-        # The clock calibration (calibrate_budget): pending while an automatic
-        # choice is to be made and measured; the step it reopens the choice at.
-        self._calibrated = not (self._choice_pending and self.options.calibrate_budget)
+        # The clock calibration (calibrate_budget): the step that reopens the
+        # automatic choice (None: none to come), and the passes timed until then.
         self._calibrate_at: int | None = None
         self._calibrating = False
         self._pass_start: float | None = None
@@ -724,10 +723,8 @@ class KFACPreconditioner:
         self._choice_pending = False
         self.curvature_choice = choice
         if choice.calibrated or not self.options.calibrate_budget:
-            self._calibrated = True
             self._calibrate_at = None
         else:
-            self._calibrated = False
             self._calibrate_at = self._steps + CALIBRATION_STEPS
             self._pass_seconds.clear()
         if log.isEnabledFor(logging.INFO):
