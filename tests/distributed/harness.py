@@ -137,6 +137,18 @@ def run_distributed(
             del store
 
 
+def average_gradients(model: torch.nn.Module, world_size: int) -> None:
+    """Every parameter's gradient summed over the ranks and divided by ``world_size``.
+
+    What DDP does, by hand: for tests that train without a DDP wrapper. Every
+    parameter must have a gradient.
+    """
+    for p in model.parameters():
+        assert p.grad is not None
+        dist.all_reduce(p.grad)
+        p.grad.div_(world_size)
+
+
 def _wait(processes: list[Any], workdir: Path, deadline: float, timeout: float) -> None:
     """Wait for every process to exit 0; raise on the first failure or at the deadline."""
     running = dict(enumerate(processes))

@@ -11,9 +11,8 @@ Training then continues in lockstep: identical weights on every rank.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from harness import run_distributed
+from harness import average_gradients, run_distributed
 from torch import nn
 
 import kaisa
@@ -49,10 +48,7 @@ def _averaged_backward(model: nn.Module, rank: int, world_size: int, gen: torch.
     y = torch.randint(0, CLASSES, (LOCAL_ROWS[rank],), generator=gen)
     model.zero_grad()
     F.cross_entropy(model(x), y).backward()
-    for p in model.parameters():
-        assert p.grad is not None
-        dist.all_reduce(p.grad)
-        p.grad.div_(world_size)
+    average_gradients(model, world_size)
 
 
 def _train(rank: int, world_size: int, fraction: str) -> dict[str, object]:

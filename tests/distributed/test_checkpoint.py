@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import run_distributed
+from harness import average_gradients, run_distributed
 from test_equivalence import (
     DAMPING,
     FACTOR_DECAY,
@@ -86,10 +86,7 @@ def _train(rank: int, world_size: int, fraction: float, mode: str) -> dict[str, 
         y = ys[step, rank * local : (rank + 1) * local]
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
-        for p in model.parameters():
-            assert p.grad is not None
-            dist.all_reduce(p.grad)
-            p.grad.div_(world_size)
+        average_gradients(model, world_size)
         preconditioner.step()
         optimizer.step()
     return {
@@ -171,10 +168,7 @@ def _segment(
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         if world_size > 1:
-            for p in model.parameters():
-                assert p.grad is not None
-                dist.all_reduce(p.grad)
-                p.grad.div_(world_size)
+            average_gradients(model, world_size)
         preconditioner.step()
         optimizer.step()
     return {"weights": flat_weights(model), "checkpoint": saved, "plan": preconditioner.plan}

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import run_distributed
+from harness import average_gradients, run_distributed
 from torch import nn
 
 import kaisa
@@ -142,10 +142,7 @@ def _run(config: Config, rank: int, world_size: int) -> dict[str, Any]:
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         # Gradients are averaged by the user (spec §5, step 1); not counted by kaisa.
-        for p in model.parameters():
-            assert p.grad is not None
-            torch.distributed.all_reduce(p.grad)
-            p.grad.div_(world_size)
+        average_gradients(model, world_size)
         preconditioner.step()
         optimizer.step()
         per_step.append(dict(preconditioner.telemetry.last_step_elements))
