@@ -8,8 +8,9 @@ inverse intervals 10, 20, 40, … until they reach ``F`` and ``I``). It answers
 "would this option save steps?" before a full suite run; steps to the target
 do not depend on the machine's load (except through the budget's clock
 calibration, whose steps are powers of √2), so two probes may run side by side
-with one thread each. Nothing is asserted. Results are printed and appended
-as JSON lines to ``--out``. ::
+with one thread each. Nothing is asserted. Results, with the automatic
+choice's intervals and clock scale where there is one, are printed and
+appended as JSON lines to ``--out``. ::
 
     python benchmarks/steps_probe.py --workload vit --arm kaisa-adamw --lr 0.008 \\
         --seeds 0,1 --kfac '{"time_budget": 1.0}'
@@ -102,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             "steps": None if hit is None else hit.step,
             "wall_s": round(time.time() - start, 1),
         }
+        choice = result.kfac_choice
+        if choice:
+            row["intervals"] = [choice["factor_update_steps"], choice["inv_update_steps"]]
+            row["time_scale"] = round(float(choice.get("time_scale", 1.0)), 3)
         print(json.dumps(row), flush=True)
         with args.out.open("a") as f:
             f.write(json.dumps(row) + "\n")
