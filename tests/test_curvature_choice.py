@@ -93,25 +93,71 @@ def test_a_tiny_budget_keeps_what_the_user_fixed() -> None:
     assert choice.within_budget is False
 
 
+def exact_work(sizes: list[tuple[int, int]], rows: float, f: int, i: int) -> float:
+    """Exact eigen sides by hand: grams rows·n² every ``f`` steps, one eigendecomposition
+    EIGH_COST·n³ per side every ``i``, and Q_Gᵀ ∇ Q_A and back (2n² per column on each side)."""
+    return sum(
+        CAPTURE_WEIGHT * rows * (a * a + g * g) / f
+        + EIGH_COST * (a**3 + g**3) / i
+        + APPLY_WEIGHT * (2 * a * a * g + 2 * g * g * a)
+        for a, g in sizes
+    )
+
+
 def test_a_huge_budget_keeps_everything_exact_at_the_shortest_intervals() -> None:
     rows = 16.0
     choice = choose_curvature(layers(*SIZES, rows=rows), 1e6)
     assert choice.specs == {f"l{i}": ("exact", "exact") for i in range(len(SIZES))}
-    assert (choice.factor_update_steps, choice.inv_update_steps) == (
-        MIN_FACTOR_STEPS,
-        MIN_INV_STEPS,
-    )
+    # Steps 1-3 start from (MIN_FACTOR_STEPS, MIN_INV_STEPS) and move nothing; step 4
+    # spends the rest of the allowance on inverses at every factor update.
     assert (MIN_FACTOR_STEPS, MIN_INV_STEPS) == (10, 100)
+    assert (choice.factor_update_steps, choice.inv_update_steps) == (10, 10)
     assert choice.within_budget is True
-    # Exact eigen: grams rows·n², one eigendecomposition EIGH_COST·n³ per side,
-    # and Q_Gᵀ ∇ Q_A and back (2n² per column on each side).
-    by_hand = sum(
-        CAPTURE_WEIGHT * rows * (a * a + g * g) / 10
-        + EIGH_COST * (a**3 + g**3) / 100
-        + APPLY_WEIGHT * (2 * a * a * g + 2 * g * g * a)
-        for a, g in SIZES
-    )
-    assert choice.kfac_work == pytest.approx(by_hand, rel=1e-12)
+    assert choice.kfac_work == pytest.approx(exact_work(SIZES, rows, 10, 10), rel=1e-12)
+
+
+@pytest.mark.parametrize("fits", [10, 20, 40, 80])
+def test_what_is_left_of_the_allowance_buys_fresher_eigenbases(fits: int) -> None:
+    """Step 4: the inverse interval is the shortest 10·2^k that fits, never the 100 of step 1.
+
+    The budget lies between the work at inverses every ``fits`` and every ``fits / 2``
+    steps (both above the work at every 100, so steps 1-3 move nothing).
+    """
+    rows, sizes = 16.0, [(65, 64), (129, 64)]
+    work = layers(*sizes, rows=rows)
+    train = sum(w.training for w in work)
+    low = exact_work(sizes, rows, 10, fits)
+    high = exact_work(sizes, rows, 10, fits // 2) if fits > 10 else 2 * low
+    budget = (low + high) / 2 / train
+    assert exact_work(sizes, rows, 10, 100) < low < high
+    choice = choose_curvature(work, budget)
+    assert choice.specs == {"l0": ("exact", "exact"), "l1": ("exact", "exact")}
+    assert (choice.factor_update_steps, choice.inv_update_steps) == (10, fits)
+    assert choice.within_budget is True
+    assert choice.kfac_work == pytest.approx(low, rel=1e-12)
+    assert choice.kfac_work <= budget * train
+    # Between the work at 100 and at 80 nothing fits: inverses stay at 100.
+    budget = (exact_work(sizes, rows, 10, 100) + exact_work(sizes, rows, 10, 80)) / 2 / train
+    assert choose_curvature(work, budget).inv_update_steps == 100
+
+
+def test_fresher_eigenbases_follow_a_fixed_factor_interval_never_a_fixed_inverse_one() -> None:
+    rows, sizes = 16.0, [(65, 64)]
+    work = layers(*sizes, rows=rows)
+    # A factor interval of 3 fixed: candidates 3, 6, 12, ..., 96.
+    choice = choose_curvature(work, 1e6, factor_update_steps=3)
+    assert (choice.factor_update_steps, choice.inv_update_steps) == (3, 3)
+    train = sum(w.training for w in work)
+    budget = (exact_work(sizes, rows, 3, 12) + exact_work(sizes, rows, 3, 6)) / 2 / train
+    choice = choose_curvature(work, budget, factor_update_steps=3)
+    assert (choice.factor_update_steps, choice.inv_update_steps) == (3, 12)
+    # An inverse interval the user fixed is never shortened.
+    choice = choose_curvature(work, 1e6, inv_update_steps=100)
+    assert (choice.factor_update_steps, choice.inv_update_steps) == (10, 100)
+    # Over budget (the cheapest choice): nothing is spent.
+    choice = choose_curvature(work, 1e-9)
+    assert choice.within_budget is False
+    assert choice.inv_update_steps == MAX_INV_STEPS
 
 
 def test_a_wide_linear_layer_at_the_default_budget() -> None:
