@@ -33,7 +33,7 @@ The rule, in full:
    chosen that still fits, if there is one. Steps 1–3 decide the
    representations and the factor interval; this step only refreshes more
    often what they kept. Measured over nine seeds per workload
-   (``benchmarks/README.md``, "The inverse interval"): the suite's ViT
+   (``benchmarks/README.md``, "Held-out seeds"): the suite's ViT
    reaches its target in 14% fewer steps, GapCNN in as many, SmallCNN in
    6% more.
 
