@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
+# re-exported until the front door's split lands (issue 28): kaisa.options imports it here.
+from kaisa.validation import one_of as one_of
+
 ComputeMethod = Literal["eigen", "inverse"]
 """How a factor is solved: an eigendecomposition, or the damped inverse."""
 COMPUTE_METHODS: tuple[ComputeMethod, ...] = get_args(ComputeMethod)
@@ -32,10 +35,3 @@ ASSIGNMENT_STRATEGIES: tuple[AssignmentStrategy, ...] = get_args(AssignmentStrat
 NamedFraction = Literal["comm-opt", "hybrid-opt", "mem-opt"]
 """The gradient-worker fractions with names (KAISA's three strategies)."""
 NAMED_FRACTIONS: tuple[NamedFraction, ...] = get_args(NamedFraction)
-
-
-def one_of(name: str, value: object, allowed: tuple[str, ...]) -> str:
-    """``value`` lower-cased if it is one of ``allowed``; else a ``ValueError`` naming both."""
-    if not isinstance(value, str) or value.lower() not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
-    return value.lower()
