@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from kaisa.layers.grads import PLAIN, GradAccess
+from kaisa.engines.base import PLAIN, GradAccess
 
 #: Picks one layer's part of an output gradient (``None``: all of it).
 GradSelect = Callable[[torch.Tensor], torch.Tensor] | None
@@ -56,7 +56,7 @@ class LayerHandler(ABC):
     default_sides: tuple[str | None, str | None] = (None, None)
     #: What kind of block this is, for :meth:`kaisa.KFACPreconditioner.coverage`.
     kind: str = "kronecker"
-    #: How gradients are read and written (:mod:`kaisa.layers.grads`): ``.grad``
+    #: How gradients are read and written (:mod:`kaisa.engines`): ``.grad``
     #: in place unless the preconditioner installs the access its model needs
     #: (DeepSpeed ZeRO, FSDP2). A handler that overrides :meth:`grad_matrix` or
     #: :meth:`set_grad_matrix` reads and writes through it too.

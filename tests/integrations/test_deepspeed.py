@@ -205,7 +205,7 @@ def _train(
 def _zero_case(rank: int, world_size: int) -> dict[str, Any]:
     ds = _setup(rank, world_size)
     results: dict[str, Any] = {}
-    from kaisa.integrations.deepspeed import DeepSpeedGradAccess
+    from kaisa.engines.deepspeed import DeepSpeedGradAccess
 
     # Count the full-gradient gathers (all-reduces at stages 1, 2) and write-backs.
     calls = {"gather": 0, "scatter": 0}
@@ -491,7 +491,7 @@ def _dp_group_default(rank: int, world_size: int) -> list[bool]:
 
     import torch.distributed as dist
 
-    from kaisa.integrations.deepspeed import DeepSpeedGradAccess
+    from kaisa.engines.deepspeed import DeepSpeedGradAccess
 
     own = [dist.new_group([r]) for r in range(world_size)][rank]  # model parallel: dp of 1
     whole = dist.new_group(list(range(world_size)))

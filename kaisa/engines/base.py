@@ -4,16 +4,16 @@ Handlers (:meth:`~kaisa.layers.LayerHandler.grad_matrix` and
 :meth:`~kaisa.layers.LayerHandler.set_grad_matrix`) and the preconditioner's
 finiteness check never touch ``.grad`` themselves: they go through the
 :class:`GradAccess` the preconditioner chose at construction from what the
-model is (:func:`grad_access_for`):
+model is (:func:`kaisa.engines.select_engine`):
 
 * a plain module, or one wrapped in DDP: :class:`GradAccess`, ``param.grad``
   read and written in place;
 * a model sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``; its
   parameters and gradients are ``DTensor`` shards):
-  :class:`kaisa.integrations.fsdp.ShardedGradAccess`;
+  :class:`kaisa.engines.fsdp.ShardedGradAccess`;
 * a DeepSpeed engine (ZeRO stages 0, 1 and 2; with stages 1 and 2 every
   ``.grad`` is ``None`` and the gradients live in DeepSpeed's partitioned
-  buffers): :class:`kaisa.integrations.deepspeed.DeepSpeedGradAccess`.
+  buffers): :class:`kaisa.engines.deepspeed.DeepSpeedGradAccess`.
 
 The last two are :class:`StagedGradAccess`: the full gradient is not a tensor
 kaisa can write in place. The first read of a step gathers the full gradient
@@ -35,7 +35,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 
 def is_dtensor(tensor: object) -> bool:
@@ -169,25 +168,3 @@ class StagedGradAccess(GradAccess):
     def release(self) -> None:
         self._full = None
         self._written.clear()
-
-
-def grad_access_for(model: nn.Module) -> GradAccess:
-    """The gradient access for what ``model`` is (see the module docstring).
-
-    Raises ``ValueError`` for what kaisa cannot precondition correctly: a
-    DeepSpeed ZeRO-3 engine, or a module whose parameters a DeepSpeed ZeRO
-    optimizer manages passed instead of its engine.
-    """
-    if "deepspeed" in sys.modules:
-        # Only then can the model be a DeepSpeed engine (or hold ZeRO-managed parameters).
-        from kaisa.integrations.deepspeed import deepspeed_grad_access
-
-        access = deepspeed_grad_access(model)
-        if access is not None:
-            return access
-    if any(is_dtensor(p) for p in model.parameters()):
-        from kaisa.integrations.fsdp import ShardedGradAccess, check_fully_sharded
-
-        check_fully_sharded(model)
-        return ShardedGradAccess()
-    return GradAccess()

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from kaisa.layers.grads import StagedGradAccess
+from kaisa.engines.base import StagedGradAccess
 
 
 def check_fully_sharded(model: torch.nn.Module) -> None:

@@ -11,7 +11,7 @@
         engine.step()
 
 :class:`~kaisa.KFACPreconditioner` recognises the engine and reads and writes
-gradients through :class:`DeepSpeedGradAccess` (:mod:`kaisa.layers.grads`):
+gradients through :class:`DeepSpeedGradAccess` (:mod:`kaisa.engines.base`):
 
 * ZeRO stages 1 and 2 keep gradients in partitioned buffers (every ``.grad``
   is ``None``): kaisa gathers each registered parameter's full gradient with
@@ -46,10 +46,10 @@ try:
     from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 except ImportError as error:  # pragma: no cover - exercised with deepspeed missing
     raise ImportError(
-        "kaisa.integrations.deepspeed needs DeepSpeed: pip install 'kaisa[deepspeed]'"
+        "kaisa.engines.deepspeed needs DeepSpeed: pip install 'kaisa[deepspeed]'"
     ) from error
 
-from kaisa.layers.grads import StagedGradAccess
+from kaisa.engines.base import StagedGradAccess
 
 
 def _zero_optimizer_type() -> type | None:
