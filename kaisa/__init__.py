@@ -11,8 +11,9 @@ Two lines in an existing training loop::
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kaisa import _lazy
 
 if TYPE_CHECKING:
     from kaisa.curvature import DecompositionError
@@ -37,18 +38,7 @@ _LAZY = {
     "register_handler": "kaisa.layers",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
-
+__getattr__, __dir__ = _lazy.lazy_attributes(__name__, _LAZY)
 
 __all__ = [
     "DecompositionError",

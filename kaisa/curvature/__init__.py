@@ -7,8 +7,9 @@ by ``kaisa plan`` without importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kaisa import _lazy
 
 if TYPE_CHECKING:
     from kaisa.choices import ComputeMethod
@@ -45,14 +46,8 @@ _LAZY = {
     "split_damping": "kaisa.curvature.representations",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+# Only __getattr__: dir() lists what has been imported so far, as before.
+__getattr__ = _lazy.lazy_attributes(__name__, _LAZY)[0]
 
 __all__ = [
     "ComputeMethod",

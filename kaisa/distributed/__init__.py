@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from kaisa import _lazy
 from kaisa.distributed.plan import (
     LayerAssignment,
     LayerShape,
@@ -27,10 +27,11 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # The communicator needs torch; the plan does not (see `kaisa plan`).
-    if name in ("Communicator", "default_world"):
-        value = getattr(importlib.import_module("kaisa.distributed.comm"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The communicator needs torch; the plan does not (see `kaisa plan`).
+_LAZY = {
+    "Communicator": "kaisa.distributed.comm",
+    "default_world": "kaisa.distributed.comm",
+}
+
+# Only __getattr__: dir() lists what has been imported so far, as before.
+__getattr__ = _lazy.lazy_attributes(__name__, _LAZY)[0]
