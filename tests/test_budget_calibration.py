@@ -10,6 +10,7 @@ Several ranks: ``tests/distributed/test_auto_choice.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import time
 from typing import Any
@@ -21,7 +22,7 @@ from torch import nn
 
 import kaisa
 from kaisa.curvature.budget import MAX_TIME_SCALE, LayerWork, choose_curvature, time_scale
-from kaisa.curvature.costs import CAPTURE_WEIGHT
+from kaisa.curvature.costs import DEFAULT_COST_MODEL
 from kaisa.preconditioner import CALIBRATION_STEPS
 
 # -- time_scale, by hand --------------------------------------------------------------------
@@ -49,7 +50,7 @@ def test_time_scale_is_the_measured_ratio_rounded_down_to_a_power_of_root_two(
     training = 5e6
     capture_work, capture_seconds = 3e6, 0.002
     # Passes worth ratio * training modelled multiply-adds at the capture speed.
-    seconds = ratio * training * capture_seconds / (capture_work * CAPTURE_WEIGHT)
+    seconds = ratio * training * capture_seconds / (capture_work * DEFAULT_COST_MODEL.capture)
     assert time_scale(seconds, capture_seconds, capture_work, training) == pytest.approx(scale)
 
 
@@ -59,6 +60,19 @@ def test_time_scale_is_the_measured_ratio_rounded_down_to_a_power_of_root_two(
 )
 def test_time_scale_without_a_usable_measurement_is_one(values: tuple[float, ...]) -> None:
     assert time_scale(*values) == 1.0
+
+
+def test_time_scale_weighs_the_captures_by_the_cost_model() -> None:
+    """Captures that weigh twice as much make the same passes worth twice the work."""
+    training, capture_work, capture_seconds = 5e6, 3e6, 0.002
+    seconds = 1.5 * training * capture_seconds / (capture_work * DEFAULT_COST_MODEL.capture)
+    assert time_scale(seconds, capture_seconds, capture_work, training) == pytest.approx(2**0.5)
+    double = dataclasses.replace(DEFAULT_COST_MODEL, capture=2 * DEFAULT_COST_MODEL.capture)
+    assert time_scale(
+        seconds, capture_seconds, capture_work, training, cost_model=double
+    ) == pytest.approx(2**1.5)
+    with pytest.raises(TypeError, match=r"cost_model must be a CostModel; got float"):
+        time_scale(seconds, capture_seconds, capture_work, training, cost_model=2.0)  # type: ignore[arg-type]
 
 
 def test_a_scale_widens_the_allowance_as_a_larger_budget_would() -> None:

@@ -29,7 +29,7 @@ from kaisa.curvature.budget import (
     LayerWork,
     choose_curvature,
 )
-from kaisa.curvature.costs import APPLY_WEIGHT, CAPTURE_WEIGHT, EIGH_COST
+from kaisa.curvature.costs import DEFAULT_COST_MODEL, CostModel
 from kaisa.options import REFERENCE_DEFAULTS
 from kaisa.preconditioner import CALIBRATION_STEPS
 
@@ -72,9 +72,9 @@ def test_a_tiny_budget_degrades_to_the_cheapest(method: str, sizes: list[tuple[i
     # and n per column to apply (each side to the other side's columns);
     # captures and applies weighted as the cost model weighs them.
     by_hand = sum(
-        CAPTURE_WEIGHT * 2 * rows * (a + g) / MAX_FACTOR_STEPS
+        DEFAULT_COST_MODEL.capture * 2 * rows * (a + g) / MAX_FACTOR_STEPS
         + (a + g) / MAX_INV_STEPS
-        + APPLY_WEIGHT * 2 * a * g
+        + DEFAULT_COST_MODEL.apply * 2 * a * g
         for a, g in sizes
     )
     assert choice.kfac_work == pytest.approx(by_hand, rel=1e-12)
@@ -93,13 +93,20 @@ def test_a_tiny_budget_keeps_what_the_user_fixed() -> None:
     assert choice.within_budget is False
 
 
-def exact_work(sizes: list[tuple[int, int]], rows: float, f: int, i: int) -> float:
+def exact_work(
+    sizes: list[tuple[int, int]],
+    rows: float,
+    f: int,
+    i: int,
+    model: CostModel = DEFAULT_COST_MODEL,
+) -> float:
     """Exact eigen sides by hand: grams rows·n² every ``f`` steps, one eigendecomposition
-    EIGH_COST·n³ per side every ``i``, and Q_Gᵀ ∇ Q_A and back (2n² per column on each side)."""
+    eigh·n³ per side every ``i``, and Q_Gᵀ ∇ Q_A and back (2n² per column on each side),
+    weighed by ``model``."""
     return sum(
-        CAPTURE_WEIGHT * rows * (a * a + g * g) / f
-        + EIGH_COST * (a**3 + g**3) / i
-        + APPLY_WEIGHT * (2 * a * a * g + 2 * g * g * a)
+        model.capture * rows * (a * a + g * g) / f
+        + model.eigh * (a**3 + g**3) / i
+        + model.apply * (2 * a * a * g + 2 * g * g * a)
         for a, g in sizes
     )
 
@@ -183,6 +190,39 @@ def test_choose_curvature_refuses_a_bad_budget(budget: float) -> None:
         choose_curvature(layers((4, 4)), budget)
     with pytest.raises(TypeError, match=r"time_budget must be a number > 0; got 'x'"):
         choose_curvature(layers((4, 4)), "x")  # type: ignore[arg-type]
+
+
+def test_the_default_cost_model_is_the_one_the_choice_uses() -> None:
+    work = layers(*SIZES, rows=48.0)
+    for budget in (1e-6, 0.05, 0.1, 0.5, 1e6):
+        assert choose_curvature(work, budget, cost_model=DEFAULT_COST_MODEL) == (
+            choose_curvature(work, budget)
+        )
+        assert choose_curvature(work, budget, cost_model=CostModel()) == (
+            choose_curvature(work, budget)
+        )
+
+
+def test_another_cost_model_is_weighed_as_given() -> None:
+    """A machine whose decompositions are dearer: the same rule on other weights."""
+    rows, sizes = 16.0, [(65, 64), (129, 64)]
+    work = layers(*sizes, rows=rows)
+    dear = CostModel(eigh=64.0, cholesky_inverse=4.0, capture=1.0, apply=3.0)
+    choice = choose_curvature(work, 1e6, cost_model=dear)
+    assert choice.specs == {"l0": ("exact", "exact"), "l1": ("exact", "exact")}
+    assert choice.kfac_work == pytest.approx(exact_work(sizes, rows, 10, 10, dear), rel=1e-12)
+    # A budget between the work at inverses every 40 and every 20 steps under
+    # those weights: step 4 stops at 40 there, and at 10 under the defaults.
+    train = sum(w.training for w in work)
+    budget = (exact_work(sizes, rows, 10, 40, dear) + exact_work(sizes, rows, 10, 20, dear)) / 2
+    budget /= train
+    assert choose_curvature(work, budget, cost_model=dear).inv_update_steps == 40
+    assert choose_curvature(work, budget).inv_update_steps == 10
+
+
+def test_choose_curvature_refuses_what_is_not_a_cost_model() -> None:
+    with pytest.raises(TypeError, match=r"cost_model must be a CostModel; got dict"):
+        choose_curvature(layers((4, 4)), 0.1, cost_model={"eigh": 8.0})  # type: ignore[arg-type]
 
 
 # -- the preconditioner's choice ----------------------------------------------------------------

@@ -4,13 +4,14 @@ Given each layer's factor sides and the rows it sees per step, choose, for
 every side, a representation and, for the run, the factor and inverse
 intervals, so that K-FAC's work per step is at most ``time_budget`` times the
 work of the registered layers' own forward and backward passes. Everything is
-counted in multiply-adds (:func:`kaisa.curvature.costs.side_cost`), weighted
-by how fast each kind ran against a training pass's on the CPUs of this
-project (captures and preconditioning ×2, an eigendecomposition 8 ``n³``:
-:data:`~kaisa.curvature.costs.CAPTURE_WEIGHT` and its neighbours), so the
-choice is a pure function of shapes, rows and options: every
-rank that sees the same rows reaches the same choice, and a test can check it
-without a clock.
+counted in multiply-adds (:func:`kaisa.curvature.costs.side_cost`), each kind
+of K-FAC work weighed against a training pass's multiply-adds by a
+:class:`~kaisa.curvature.costs.CostModel` (``cost_model``; by default
+:data:`~kaisa.curvature.costs.DEFAULT_COST_MODEL`, and
+``benchmarks/cost_weights.py`` measures the weights on the machine it runs
+on), so the choice is a pure function of shapes, rows, options and weights:
+every rank that sees the same rows reaches the same choice, and a test can
+check it without a clock.
 
 The rule, in full:
 
@@ -32,21 +33,20 @@ The rule, in full:
    shortest ``f·2^k`` (``f`` the factor interval, ``k ≥ 0``) below the one
    chosen that still fits, if there is one. Steps 1–3 decide the
    representations and the factor interval; this step only refreshes more
-   often what they kept. Measured over nine seeds per workload
-   (``benchmarks/README.md``, "Held-out seeds"): the suite's ViT
-   reaches its target in 14% fewer steps, GapCNN in as many, SmallCNN in
-   6% more.
+   often what they kept. What it does to the steps the suite's workloads
+   take to their targets: ``benchmarks/README.md``, "Held-out seeds".
 
 Sides and intervals the user fixed are counted but never moved.
 
 **Calibration by the clock** (:func:`time_scale`). The registered layers'
 multiply-adds are not the whole iteration: a transformer also runs attention
 scores, softmax, normalisation, activations and many small operators the model
-does not count (in the suite the ViT's iteration measured 2.83× its modelled
-work, rounded down; GapCNN's and SmallCNN's below √2). So after a few steps
-the preconditioner measures the forward and backward passes and one factor
-update on the clock, converts the passes into capture multiply-adds at the
-measured capture speed, and chooses again with the allowance scaled by
+does not count (the scales the suite's workloads measure:
+``benchmarks/README.md``). So after a few steps the preconditioner measures
+the forward and backward passes and one factor update on the clock, converts
+the passes into capture multiply-adds at the measured capture speed (and
+those into training ones by the cost model's ``capture`` weight), and chooses
+again with the allowance scaled by
 ``time_scale`` = measured over modelled training work (at least 1, rounded
 down to a power of √2, at most :data:`MAX_TIME_SCALE`). The rule above is
 unchanged; only its allowance grows where the iteration is slower than its
@@ -59,7 +59,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kaisa.curvature.costs import APPLY_WEIGHT, CAPTURE_WEIGHT, SideSpec, side_cost
+from kaisa.curvature.costs import (
+    DEFAULT_COST_MODEL,
+    CostModel,
+    SideSpec,
+    check_cost_model,
+    side_cost,
+)
 
 __all__ = [
     "LOW_RANKS",
@@ -195,20 +201,24 @@ def kfac_work(
     factor_update_steps: int,
     inv_update_steps: int,
     compute_method: str = "eigen",
+    *,
+    cost_model: CostModel = DEFAULT_COST_MODEL,
 ) -> float:
     """Multiply-adds K-FAC spends on one layer per step, averaged over the intervals.
 
     Captures (every factor update), one refresh of each side (every inverse
-    update) and the preconditioning of the ``(g, a)`` gradient (every step).
+    update) and the preconditioning of the ``(g, a)`` gradient (every step),
+    each weighed by ``cost_model``, so the sum is in training multiply-adds.
     """
     exact = a_spec.kind == "exact" and g_spec.kind == "exact"
     method = compute_method if exact else "eigen"
     a, g = layer.a_size, layer.g_size
-    ca, cg = side_cost(a_spec, a, method), side_cost(g_spec, g, method)
+    ca = side_cost(a_spec, a, method, cost_model=cost_model)
+    cg = side_cost(g_spec, g, method, cost_model=cost_model)
     capture = (layer.capture("a", a_spec) + layer.capture("g", g_spec)) / factor_update_steps
     refresh = (ca.refresh + cg.refresh) / inv_update_steps
     apply = ca.apply_per_column * g + cg.apply_per_column * a
-    return CAPTURE_WEIGHT * capture + refresh + APPLY_WEIGHT * apply
+    return cost_model.capture * capture + refresh + cost_model.apply * apply
 
 
 def choose_curvature(
@@ -220,11 +230,14 @@ def choose_curvature(
     compute_method: str = "eigen",
     scale: float = 1.0,
     calibrated: bool = False,
+    cost_model: CostModel = DEFAULT_COST_MODEL,
 ) -> BudgetChoice:
     """Apply the rule of the module docstring; ``None`` intervals are free to choose.
 
     ``scale`` (from :func:`time_scale`) multiplies the allowance:
-    ``time_budget * scale * training work``.
+    ``time_budget * scale * training work``. ``cost_model`` weighs K-FAC's
+    kinds of work against the training multiply-adds (measure one for your
+    machine with ``benchmarks/cost_weights.py``).
     """
     if isinstance(time_budget, bool) or not isinstance(time_budget, (int, float)):
         raise TypeError(f"time_budget must be a number > 0; got {time_budget!r}")
@@ -234,6 +247,7 @@ def choose_curvature(
         raise TypeError(f"scale must be a number in [1, {MAX_TIME_SCALE:g}]; got {scale!r}")
     if not 1.0 <= scale <= MAX_TIME_SCALE:
         raise ValueError(f"scale must be a number in [1, {MAX_TIME_SCALE:g}]; got {scale!r}")
+    check_cost_model(cost_model)
     ladders: list[list[list[SideSpec]]] = []
     index: list[list[int]] = []
     for layer in layers:
@@ -247,7 +261,7 @@ def choose_curvature(
 
     def work(k: int, rungs: Sequence[int], f_: int, i_: int) -> float:
         sa, sg = ladders[k][0][rungs[0]], ladders[k][1][rungs[1]]
-        return kfac_work(layers[k], sa, sg, f_, i_, compute_method)
+        return kfac_work(layers[k], sa, sg, f_, i_, compute_method, cost_model=cost_model)
 
     def total(f_: int, i_: int) -> float:
         return sum(work(k, index[k], f_, i_) for k in range(len(layers)))
@@ -315,26 +329,32 @@ def choose_curvature(
 
 
 def time_scale(
-    training_seconds: float, capture_seconds: float, capture_work: float, training: float
+    training_seconds: float,
+    capture_seconds: float,
+    capture_work: float,
+    training: float,
+    *,
+    cost_model: CostModel = DEFAULT_COST_MODEL,
 ) -> float:
     """How much slower the iteration runs than its modelled training work, on the clock.
 
     ``training_seconds``: one step's forward and backward passes;
     ``capture_seconds``: one factor update's captures, which were
     ``capture_work`` multiply-adds; ``training``: the registered layers'
-    modelled training work. A capture multiply-add weighs
-    :data:`~kaisa.curvature.costs.CAPTURE_WEIGHT` training ones, so the passes
+    modelled training work. A capture multiply-add weighs ``cost_model.capture``
+    training ones (:class:`~kaisa.curvature.costs.CostModel`), so the passes
     are worth ``training_seconds / (capture_seconds / capture_work /
-    CAPTURE_WEIGHT)`` modelled multiply-adds; the scale is that over
+    cost_model.capture)`` modelled multiply-adds; the scale is that over
     ``training``, at least 1 (time the model does not see only adds), rounded
     down to a power of √2 (a small change in a measurement rarely changes the
     choice) and at most :data:`MAX_TIME_SCALE`. Without a usable measurement
     (any value not finite and > 0) it is 1.
     """
+    check_cost_model(cost_model)
     values = (training_seconds, capture_seconds, capture_work, training)
     if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values):
         return 1.0
-    measured = training_seconds * capture_work * CAPTURE_WEIGHT / capture_seconds
+    measured = training_seconds * capture_work * cost_model.capture / capture_seconds
     ratio = measured / training
     if ratio <= 1.0:
         return 1.0

@@ -5,26 +5,37 @@
 is what holding it that way costs. The work plan, the cost model, ``kaisa
 plan`` and the automatic choice read these; the tensors themselves are in
 :mod:`kaisa.curvature.representations`.
+
+Work is counted in multiply-adds and weighed by a :class:`CostModel`: how
+many of a training pass's multiply-adds one multiply-add of each kind of
+K-FAC work is worth (an eigendecomposition, a Cholesky inverse, a factor
+product, a preconditioning product). The weights are properties of a
+machine, not of the maths: :data:`DEFAULT_COST_MODEL` holds the ones the
+automatic choice uses unless told otherwise, and
+``benchmarks/cost_weights.py`` measures them on the machine it runs on and
+prints the :class:`CostModel` to pass instead (``benchmarks/README.md``,
+"Cost weights", records where the defaults came from).
 """
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 __all__ = [
-    "APPLY_WEIGHT",
-    "CAPTURE_WEIGHT",
-    "CHOLESKY_INVERSE_COST",
+    "DEFAULT_COST_MODEL",
     "EIGH_COST",
     "OVERSAMPLING",
     "SIDE_KINDS",
     "SUBSPACE_ITERATIONS",
     "Capture",
+    "CostModel",
     "SideCost",
     "SideKind",
     "SideSpec",
+    "check_cost_model",
     "side_cost",
 ]
 
@@ -32,25 +43,79 @@ Capture = Literal["gram", "moments"]
 SideKind = Literal["exact", "lowrank", "kvec", "diagonal"]
 SIDE_KINDS: tuple[SideKind, ...] = ("exact", "lowrank", "kvec", "diagonal")
 
-#: Cost of one symmetric eigendecomposition of side ``n`` in multiply-adds of
-#: ``n³``, as a training pass's multiply-adds run. ``torch.linalg.eigh`` takes
-#: 9–23× the time of an ``n × n`` matrix product here, but large products run
-#: 2–3× faster per multiply-add than a small CNN's forward and backward passes:
-#: on GapCNN (2 threads) the refreshes of every layer took 30–37 ms against
-#: 4.9 G multiply-adds modelled at 20, training 57 M multiply-adds per ms.
-EIGH_COST = 8.0
-#: Weight of a capture's multiply-adds (factor products) against a training
-#: pass's: GapCNN's factor products ran at 26 M per ms, its training at 57.
-CAPTURE_WEIGHT = 2.0
-#: Weight of a preconditioning multiply-add (small products, gradient copies):
-#: GapCNN's exact solves ran at about 30 M per ms.
-APPLY_WEIGHT = 2.0
-#: Cost of a Cholesky inverse of side ``n`` in multiply-adds of ``n³``.
-CHOLESKY_INVERSE_COST = 4.0
 #: Subspace iterations per low-rank refresh (each one ``F @ Q`` and a QR).
 SUBSPACE_ITERATIONS = 2
 #: Extra columns carried by the low-rank subspace iteration (dropped at the end).
 OVERSAMPLING = 8
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """How much each kind of K-FAC work weighs against a training pass's multiply-adds.
+
+    The unit of every cost is one multiply-add of the registered layers'
+    forward and backward passes (a *training* multiply-add): the automatic
+    choice (:func:`kaisa.curvature.budget.choose_curvature`) compares K-FAC's
+    weighted work with the training work, so a weight is the ratio of a
+    training pass's speed (multiply-adds per second) to that kind of work's.
+    The weights depend on the machine and its libraries (a GPU runs large
+    products and decompositions at other speeds than a CPU does), not on the
+    model; ``benchmarks/cost_weights.py`` measures them and prints the
+    :class:`CostModel` to pass (``choose_curvature(..., cost_model=...)``).
+
+    Every weight must be a finite number > 0; ``CostModel()`` is
+    :data:`DEFAULT_COST_MODEL`, and ``dataclasses.replace`` changes one weight.
+    """
+
+    #: One symmetric eigendecomposition of an ``n × n`` factor costs
+    #: ``eigh · n³`` training multiply-adds (also the final ``eigh`` of a
+    #: low-rank refresh, on its ``k +`` :data:`OVERSAMPLING` columns).
+    eigh: float = 8.0
+    #: One damped inverse of an ``n × n`` factor by Cholesky
+    #: (``compute_method='inverse'``) costs ``cholesky_inverse · n³`` training
+    #: multiply-adds.
+    cholesky_inverse: float = 4.0
+    #: One multiply-add of a capture (the factor products: a gram of the rows,
+    #: or their moments, as the layer handler counts them) costs ``capture``
+    #: training multiply-adds.
+    capture: float = 2.0
+    #: One multiply-add of preconditioning (the solves applied to a gradient
+    #: every step, as :class:`SideCost` counts them) costs ``apply`` training
+    #: multiply-adds.
+    apply: float = 2.0
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(
+                    f"CostModel.{field.name} must be a finite number > 0; got {value!r}"
+                )
+            try:
+                weight = float(value)
+            except OverflowError:  # an int too large for a float
+                weight = math.inf
+            if not math.isfinite(weight) or weight <= 0:
+                raise ValueError(
+                    f"CostModel.{field.name} must be a finite number > 0; got {value!r}"
+                )
+            object.__setattr__(self, field.name, weight)
+
+
+#: The weights the automatic choice uses unless given others (see
+#: :class:`CostModel` for what each one means).
+DEFAULT_COST_MODEL = CostModel()
+#: ``DEFAULT_COST_MODEL.eigh`` under its former name, kept while
+#: :mod:`kaisa.distributed.plan` and :mod:`kaisa.curvature.representations`
+#: import it; new code reads the cost model.
+EIGH_COST = DEFAULT_COST_MODEL.eigh
+
+
+def check_cost_model(cost_model: object) -> CostModel:
+    """``cost_model`` if it is a :class:`CostModel`; else ``TypeError``."""
+    if not isinstance(cost_model, CostModel):
+        raise TypeError(f"cost_model must be a CostModel; got {type(cost_model).__name__}")
+    return cost_model
 
 
 @dataclass(frozen=True)
@@ -120,7 +185,8 @@ class SideCost:
     What a capture costs depends on the layer, not the representation's
     maths (a gram or moments of its rows; the shifted conv products are
     cheaper than plain ones): the layer handler says (``capture_work``).
-    ``refresh``: work of one refresh (decomposition) on its assigned rank;
+    ``refresh``: work of one refresh (decomposition) on its assigned rank, a
+    decomposition weighted by the :class:`CostModel`;
     ``apply_per_column``: work to precondition, per column of the other side
     (a ``(g, a)`` gradient has ``g`` columns for the ``A`` side and ``a`` for
     ``G``); ``factor``: numbers in the running average (held on every rank and
@@ -135,18 +201,30 @@ class SideCost:
     state: int
 
 
-def side_cost(spec: SideSpec, n: int, method: str = "eigen") -> SideCost:
-    """:class:`SideCost` of a side of ``n`` held as ``spec`` (pure arithmetic)."""
+def side_cost(
+    spec: SideSpec,
+    n: int,
+    method: str = "eigen",
+    *,
+    cost_model: CostModel = DEFAULT_COST_MODEL,
+) -> SideCost:
+    """:class:`SideCost` of a side of ``n`` held as ``spec`` (pure arithmetic).
+
+    A decomposition's work is weighted by ``cost_model`` (its ``eigh`` and
+    ``cholesky_inverse``); the rest is plain multiply-adds (the caller weighs
+    the preconditioning by ``cost_model.apply``).
+    """
+    check_cost_model(cost_model)
     if spec.kind == "exact":
         if method == "inverse":
-            return SideCost(CHOLESKY_INVERSE_COST * n**3, 2.0 * n * n, n * n, n * n)
+            return SideCost(cost_model.cholesky_inverse * n**3, 2.0 * n * n, n * n, n * n)
         # Q_Gᵀ ∇ Q_A and back: two products of n² per column on each side.
-        return SideCost(EIGH_COST * n**3, 2.0 * n * n, n * n, n * n + n)
+        return SideCost(cost_model.eigh * n**3, 2.0 * n * n, n * n, n * n + n)
     if spec.kind == "lowrank":
         k = min(int(spec.rank or n), n)
         width = min(n, k + OVERSAMPLING)
         refresh = (SUBSPACE_ITERATIONS + 1) * (n * n * width + 2.0 * n * width * width)
-        refresh += EIGH_COST * width**3
+        refresh += cost_model.eigh * width**3
         return SideCost(refresh, 4.0 * n * k + n, n * n, n * k + k + 1)
     if spec.kind == "kvec":
         return SideCost(n, 4.0 * n, 2 * n, n)
