@@ -10,7 +10,10 @@ and checkpoints that carry the choice.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
+import json
+import re
 import warnings
 from typing import Any
 
@@ -223,6 +226,213 @@ def test_another_cost_model_is_weighed_as_given() -> None:
 def test_choose_curvature_refuses_what_is_not_a_cost_model() -> None:
     with pytest.raises(TypeError, match=r"cost_model must be a CostModel; got dict"):
         choose_curvature(layers((4, 4)), 0.1, cost_model={"eigh": 8.0})  # type: ignore[arg-type]
+
+
+# -- the choice as plain data -------------------------------------------------------------------
+
+
+def saved_choice() -> dict[str, Any]:
+    work = layers((10, 40), (33, 32), (7, 129), rows=48.0)
+    choice = choose_curvature(work, 0.05, scale=2**0.5, calibrated=True)
+    assert len(set(choice.specs.values())) > 1  # a mix of representations
+    return choice.state_dict()
+
+
+def test_a_choice_restores_itself_from_its_state() -> None:
+    work = layers(*SIZES, rows=48.0)
+    for budget in (1e-6, 0.05, 1e6):
+        choice = choose_curvature(work, budget)
+        state = choice.state_dict()
+        assert state == dataclasses.asdict(choice)
+        assert BudgetChoice.from_state(state) == choice
+        # Through JSON (pairs become lists, numbers may be ints): the same choice.
+        assert BudgetChoice.from_state(json.loads(json.dumps(state))) == choice
+    # A choice saved before the clock calibration lacks its two fields.
+    old = {k: v for k, v in saved_choice().items() if k not in ("time_scale", "calibrated")}
+    restored = BudgetChoice.from_state(old)
+    assert (restored.time_scale, restored.calibrated) == (1.0, False)
+    # Representations are read as specs and written back in their own spelling.
+    state = {**saved_choice(), "specs": {"l0": [" LowRank : 8 ", "KVEC"]}, "budget": 1}
+    restored = BudgetChoice.from_state(state)
+    assert restored.specs == {"l0": ("lowrank:8", "kvec")}
+    assert restored.budget == 1.0 and isinstance(restored.budget, float)
+
+
+def with_(**changes: Any) -> dict[str, Any]:
+    return {**saved_choice(), **changes}
+
+
+def without(key: str) -> dict[str, Any]:
+    return {k: v for k, v in saved_choice().items() if k != key}
+
+
+WHERE = "state_dict 'curvature_choice'"
+BAD_STATES: list[tuple[str, Any, type[Exception], str]] = [
+    ("not a dict", "auto", TypeError, f"{WHERE} must be a dict or None; got str"),
+    ("a list", [("exact", "exact")], TypeError, f"{WHERE} must be a dict or None; got list"),
+    (
+        "a field missing",
+        without("budget"),
+        ValueError,
+        f"{WHERE} is malformed: missing ['budget'], unexpected []",
+    ),
+    (
+        "a field too many",
+        with_(cost=1.0),
+        ValueError,
+        f"{WHERE} is malformed: missing [], unexpected ['cost']",
+    ),
+    (
+        "specs as a list",
+        with_(specs=[("exact", "exact")]),
+        TypeError,
+        f"{WHERE} is malformed: 'specs' must map layer names to (A, G); got list",
+    ),
+    (
+        "a single representation",
+        with_(specs={"l0": "exact"}),
+        TypeError,
+        f"{WHERE} is malformed: specs['l0'] must be a pair (A, G) of representations; got 'exact'",
+    ),
+    (
+        "three representations",
+        with_(specs={"l0": ("exact", "kvec", "diagonal")}),
+        TypeError,
+        f"{WHERE} is malformed: specs['l0'] must be a pair (A, G) of representations; "
+        "got ('exact', 'kvec', 'diagonal')",
+    ),
+    (
+        "a layer name not a string",
+        with_(specs={3: ("exact", "exact")}),
+        TypeError,
+        f"{WHERE} is malformed: specs[3] must be a pair (A, G) of representations; "
+        "got ('exact', 'exact')",
+    ),
+    (
+        "an unknown representation",
+        with_(specs={"l0": ("kvec", "x")}),
+        ValueError,
+        f"{WHERE} is malformed: specs['l0']: curvature representation must be one of "
+        "'exact', 'lowrank', 'kvec', 'diagonal' (lowrank as 'lowrank:K'); got 'x'",
+    ),
+    (
+        "a low rank without its rank",
+        with_(specs={"l0": ("lowrank", "kvec")}),
+        ValueError,
+        f"{WHERE} is malformed: specs['l0']: 'lowrank' needs its rank: 'lowrank:K' with "
+        "K >= 1; got 'lowrank'",
+    ),
+    (
+        "a representation not a string",
+        with_(specs={"l0": ("exact", 3)}),
+        ValueError,
+        f"{WHERE} is malformed: specs['l0']: a curvature representation must be a string; got 3",
+    ),
+    (
+        "a factor interval of 0",
+        with_(factor_update_steps=0),
+        ValueError,
+        f"{WHERE}: 'factor_update_steps' must be an integer >= 1; got 0",
+    ),
+    (
+        "an inverse interval as a string",
+        with_(inv_update_steps="2"),
+        TypeError,
+        f"{WHERE}: 'inv_update_steps' must be an integer >= 1; got '2'",
+    ),
+    (
+        "an inverse interval as a bool",
+        with_(inv_update_steps=True),
+        TypeError,
+        f"{WHERE}: 'inv_update_steps' must be an integer >= 1; got True",
+    ),
+    (
+        "an interval as a float",
+        with_(factor_update_steps=10.0),
+        TypeError,
+        f"{WHERE}: 'factor_update_steps' must be an integer >= 1; got 10.0",
+    ),
+    (
+        "work as a string",
+        with_(kfac_work="1"),
+        TypeError,
+        f"{WHERE}: 'kfac_work' must be a number; got '1'",
+    ),
+    (
+        "work as a bool",
+        with_(training_work=False),
+        TypeError,
+        f"{WHERE}: 'training_work' must be a number; got False",
+    ),
+    (
+        "work NaN",
+        with_(training_work=float("nan")),
+        ValueError,
+        f"{WHERE}: 'training_work' must be a finite number >= 0; got nan",
+    ),
+    (
+        "a negative budget",
+        with_(budget=-0.1),
+        ValueError,
+        f"{WHERE}: 'budget' must be a finite number >= 0; got -0.1",
+    ),
+    (
+        "an infinite budget",
+        with_(budget=float("inf")),
+        ValueError,
+        f"{WHERE}: 'budget' must be a finite number >= 0; got inf",
+    ),
+    (
+        "within_budget not a bool",
+        with_(within_budget=1),
+        TypeError,
+        f"{WHERE}: 'within_budget' must be True or False; got 1",
+    ),
+    (
+        "calibrated not a bool",
+        with_(calibrated="yes"),
+        TypeError,
+        f"{WHERE}: 'calibrated' must be True or False; got 'yes'",
+    ),
+    (
+        "a time scale below 1",
+        with_(time_scale=0.5),
+        ValueError,
+        f"{WHERE}: 'time_scale' must be a number in [1, 16]; got 0.5",
+    ),
+    (
+        "a time scale above the largest",
+        with_(time_scale=32.0),
+        ValueError,
+        f"{WHERE}: 'time_scale' must be a number in [1, 16]; got 32.0",
+    ),
+    (
+        "a time scale as a bool",
+        with_(time_scale=True),
+        ValueError,
+        f"{WHERE}: 'time_scale' must be a number in [1, 16]; got True",
+    ),
+    (
+        "a time scale NaN",
+        with_(time_scale=float("nan")),
+        ValueError,
+        f"{WHERE}: 'time_scale' must be a number in [1, 16]; got nan",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("saved", "error", "message"),
+    [pytest.param(s, e, m, id=name) for name, s, e, m in BAD_STATES],
+)
+def test_a_bad_saved_choice_is_refused(saved: Any, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        BudgetChoice.from_state(saved)
+
+
+def test_a_saved_choice_is_refused_in_the_callers_words() -> None:
+    with pytest.raises(ValueError, match=r"^checkpoint\['choice'\]: 'budget' must be"):
+        BudgetChoice.from_state(with_(budget=-1.0), where="checkpoint['choice']")
 
 
 # -- the preconditioner's choice ----------------------------------------------------------------

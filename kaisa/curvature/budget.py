@@ -55,9 +55,11 @@ counted multiply-adds.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kaisa.curvature.costs import (
     DEFAULT_COST_MODEL,
@@ -66,6 +68,7 @@ from kaisa.curvature.costs import (
     check_cost_model,
     side_cost,
 )
+from kaisa.validation import check_count
 
 __all__ = [
     "LOW_RANKS",
@@ -166,6 +169,90 @@ class BudgetChoice:
     def share(self) -> float:
         """K-FAC's work per step over the layers' training work (as modelled)."""
         return self.kfac_work / self.training_work if self.training_work else 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The choice as plain data (``dataclasses.asdict``); :meth:`from_state` reads it."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_state(
+        cls, saved: object, where: str = "state_dict 'curvature_choice'"
+    ) -> BudgetChoice:
+        """The choice a :meth:`state_dict` holds, checked completely for form.
+
+        ``TypeError`` for a value of the wrong type, ``ValueError`` for a
+        malformed dict or a value out of range, each naming ``where`` and the
+        field. ``time_scale`` and ``calibrated`` may be missing (choices saved
+        before the clock calibration: 1 and ``False``). Only the choice's own
+        fields are checked; whether its layers, sizes and fixed sides fit a
+        preconditioner is the caller's to check.
+        """
+        if not isinstance(saved, Mapping):
+            raise TypeError(f"{where} must be a dict or None; got {type(saved).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        optional = ("time_scale", "calibrated")
+        missing = [name for name in names if name not in saved and name not in optional]
+        unexpected = sorted(repr(key) for key in saved if key not in names)
+        if missing or unexpected:
+            raise ValueError(
+                f"{where} is malformed: missing {missing}, unexpected [{', '.join(unexpected)}]"
+            )
+        raw = saved["specs"]
+        if not isinstance(raw, Mapping):
+            raise TypeError(
+                f"{where} is malformed: 'specs' must map layer names to (A, G); "
+                f"got {type(raw).__name__}"
+            )
+        specs: dict[str, tuple[str, str]] = {}
+        for name, pair in raw.items():
+            if not isinstance(name, str) or not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise TypeError(
+                    f"{where} is malformed: specs[{name!r}] must be a pair (A, G) of "
+                    f"representations; got {pair!r}"
+                )
+            try:
+                a, g = (str(SideSpec.parse(text)) for text in pair)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"{where} is malformed: specs[{name!r}]: {error}") from None
+            specs[name] = (a, g)
+        factor_steps, inv_steps = (
+            check_count(saved[key], f"{where}: {key!r}", low=1)
+            for key in ("factor_update_steps", "inv_update_steps")
+        )
+        work: list[float] = []
+        for key in ("kfac_work", "training_work", "budget"):
+            value = saved[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{where}: {key!r} must be a number; got {value!r}")
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{where}: {key!r} must be a finite number >= 0; got {value!r}")
+            work.append(float(value))
+        within = saved["within_budget"]
+        if not isinstance(within, bool):
+            raise TypeError(f"{where}: 'within_budget' must be True or False; got {within!r}")
+        calibrated = saved.get("calibrated", False)
+        if not isinstance(calibrated, bool):
+            raise TypeError(f"{where}: 'calibrated' must be True or False; got {calibrated!r}")
+        scale = saved.get("time_scale", 1.0)
+        if (
+            isinstance(scale, bool)
+            or not isinstance(scale, (int, float))
+            or not 1.0 <= scale <= MAX_TIME_SCALE
+        ):
+            raise ValueError(
+                f"{where}: 'time_scale' must be a number in [1, {MAX_TIME_SCALE:g}]; got {scale!r}"
+            )
+        return cls(
+            specs=specs,
+            factor_update_steps=factor_steps,
+            inv_update_steps=inv_steps,
+            kfac_work=work[0],
+            training_work=work[1],
+            budget=work[2],
+            within_budget=within,
+            time_scale=float(scale),
+            calibrated=calibrated,
+        )
 
     def describe(self) -> str:
         lines = [
