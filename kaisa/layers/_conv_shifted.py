@@ -5,9 +5,9 @@ from shifted products of the input itself and the patch matrix ``P`` is never
 built: the block pairing two kernel offsets is the sum of ``x[u] x[u + d]ᵀ``
 over input positions, which blocks with the same displacement ``d`` share up
 to narrow border strips (:class:`ShiftPlan`). A 3×3 kernel then costs 13
-products with ``C_in`` columns instead of one with ``9·C_in``: on GapCNN's
-six convolutions 2.3 (2 threads) to 2.8 (1 thread) times faster
-(``benchmarks/conv_expand.py``).
+products with ``C_in`` columns instead of one with ``9·C_in`` (what that saves
+on GapCNN's convolutions: ``benchmarks/conv_expand.py``,
+``benchmarks/README.md``).
 """
 
 from __future__ import annotations

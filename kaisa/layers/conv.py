@@ -75,10 +75,9 @@ DEFAULT_MAX_SHIFT_BYTES = 32 * 2**20
 #: ``a_sum`` takes the shifted products from this many input channels on. Each
 #: of their products reads the whole input for only ``C_in²`` outputs, so with
 #: few channels they are bound by memory traffic and the patch matrix (one copy,
-#: one product) is faster: batch 128, 2 threads, 3×3 at 28×28 (ms, shifted
-#: against patch matrix) C_in 1: 3.2 / 1.1, 8: 10.3 / 9.8, 10: 23.3 / 15.7,
-#: 12: 12.8 / 21.5, 16: 9.6 / 28.9; 5×5 at 28×28 C_in 4: 40.6 / 16.8, 16:
-#: 43.8 / 186.0.
+#: one product) costs less. The timings behind the threshold
+#: (``benchmarks/conv_expand.py``): ``benchmarks/README.md``, and the dated run
+#: in ``benchmarks/LOG.md``.
 SHIFTED_MIN_CHANNELS = 12
 
 _Handler = TypeVar("_Handler", bound="_ConvHandler")
