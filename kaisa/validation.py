@@ -12,11 +12,15 @@ without torch): the checks of tensors and dtypes import torch when called.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, overload
+from typing import TYPE_CHECKING, Literal, TypeVar, cast, overload
 
 if TYPE_CHECKING:
     import torch
+
+#: One of a string option's allowed values (a ``Literal`` of :mod:`kaisa.choices`).
+Choice = TypeVar("Choice", bound=str)
 
 
 @dataclass(frozen=True)
@@ -99,12 +103,26 @@ def check_number(
     return rule.number(value)
 
 
-def check_count(value: object, what: str, low: int = 0) -> int:
-    """``value`` if it is an integer (not a bool) ``>= low``; else ``TypeError``/``ValueError``."""
+def check_count(
+    value: object,
+    what: str,
+    low: int = 0,
+    *,
+    high: int | None = None,
+    type_error: type[Exception] = TypeError,
+) -> int:
+    """``value`` if it is an integer (not a bool) ``>= low`` (and ``< high``); else raise.
+
+    ``type_error`` (default ``TypeError``) for a value that is no integer,
+    ``ValueError`` for one out of range. The work plan and its cost model
+    pass ``type_error=ValueError``: they refuse every bad argument with a
+    ``ValueError``.
+    """
+    allowed = f"an integer >= {low}" + ("" if high is None else f" and < {high}")
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an integer >= {low}; got {value!r}")
-    if value < low:
-        raise ValueError(f"{what} must be an integer >= {low}; got {value!r}")
+        raise type_error(f"{what} must be {allowed}; got {value!r}")
+    if value < low or (high is not None and value >= high):
+        raise ValueError(f"{what} must be {allowed}; got {value!r}")
     return value
 
 
@@ -115,11 +133,11 @@ def check_flag(name: str, value: object) -> bool:
     return value
 
 
-def one_of(name: str, value: object, allowed: tuple[str, ...]) -> str:
+def one_of(name: str, value: object, allowed: tuple[Choice, ...]) -> Choice:
     """``value`` lower-cased if it is one of ``allowed``; else a ``ValueError`` naming both."""
     if not isinstance(value, str) or value.lower() not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
-    return value.lower()
+    return cast(Choice, value.lower())
 
 
 def float_dtypes() -> tuple[torch.dtype, ...]:
@@ -189,3 +207,17 @@ __all__ = [
     "float_dtypes",
     "one_of",
 ]
+
+
+def key_differences(
+    mapping: Mapping[object, object], required: Sequence[object], optional: Sequence[object] = ()
+) -> tuple[list[object], list[str]]:
+    """The keys ``mapping`` lacks (in ``required``'s order) and those it should not hold.
+
+    The unexpected keys come as sorted ``repr``s, ready for a message; a key
+    is expected when it is in ``required`` or ``optional``.
+    """
+    missing = [key for key in required if key not in mapping]
+    allowed = [*required, *optional]
+    unexpected = sorted(repr(key) for key in mapping if key not in allowed)
+    return missing, unexpected

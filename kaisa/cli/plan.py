@@ -38,6 +38,7 @@ from kaisa.distributed.plan import (
     make_plan,
     resolve_grad_workers,
 )
+from kaisa.validation import check_count
 
 __all__ = ["default_grad_workers", "main", "model_shapes", "parse_fraction"]
 
@@ -344,17 +345,19 @@ def _with_curvature(shapes: list[LayerShape], text: str | None) -> list[LayerSha
     ]
 
 
+def _at_least_one(flag: str, value: int) -> int:
+    """``value`` if it is ``>= 1``; else the usage error ``argument FLAG: must be ...``."""
+    try:
+        return check_count(value, f"argument {flag}:", 1)
+    except ValueError as error:
+        raise _UsageError(str(error)) from None
+
+
 def _run(argv: Sequence[str]) -> int:
     args = _parser().parse_args(list(argv))
-    n: int = args.world_size
-    if n < 1:
-        raise _UsageError(f"argument --world-size: must be a positive integer, got {n}")
+    n = _at_least_one("--world-size", args.world_size)
     for opt in ("factor_update_steps", "inv_update_steps"):
-        if getattr(args, opt) < 1:
-            flag = "--" + opt.replace("_", "-")
-            raise _UsageError(
-                f"argument {flag}: must be a positive integer, got {getattr(args, opt)}"
-            )
+        _at_least_one("--" + opt.replace("_", "-"), getattr(args, opt))
 
     stages: int = args.pipeline_stages
     if stages < 1 or n % stages:

@@ -42,7 +42,7 @@ from typing import ClassVar
 
 import torch
 
-from kaisa.choices import COMPUTE_METHODS, one_of
+from kaisa.choices import COMPUTE_METHODS
 from kaisa.curvature.costs import (
     EIGH_COST,
     OVERSAMPLING,
@@ -54,6 +54,7 @@ from kaisa.curvature.costs import (
     SideSpec,
     side_cost,
 )
+from kaisa.validation import one_of
 
 __all__ = [
     "EIGH_COST",
@@ -232,8 +233,7 @@ class ExactSide(Side):
 
     def __init__(self, name: str, size: int, *, method: str = "eigen", **kw: object) -> None:
         super().__init__(name, size, **kw)  # type: ignore[arg-type]
-        one_of("compute_method", method, COMPUTE_METHODS)
-        self.method = method
+        self.method = one_of("compute_method", method, COMPUTE_METHODS)
 
     def _identity_state(self) -> list[torch.Tensor]:
         eye = torch.eye(self.size, dtype=self.inv_dtype, device=self.factor.device)

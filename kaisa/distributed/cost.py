@@ -43,9 +43,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kaisa.choices import COMPUTE_METHODS, ComputeMethod, one_of
+from kaisa.choices import COMPUTE_METHODS, ComputeMethod
 from kaisa.curvature.costs import SideCost, SideSpec, side_cost
 from kaisa.distributed.plan import LayerAssignment, WorkPlan
+from kaisa.validation import check_count, one_of
 
 __all__ = [
     "ComputeMethod",
@@ -62,15 +63,6 @@ __all__ = [
     "second_order_elements",
     "summarize",
 ]
-
-
-def _check_method(compute_method: str) -> None:
-    one_of("compute_method", compute_method, COMPUTE_METHODS)
-
-
-def _check_interval(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 # --- per-layer element counts ----------------------------------------------------------------
@@ -101,7 +93,7 @@ def second_order_elements(
     g_spec: str = "exact",
 ) -> int:
     """Elements of one layer's second-order state on one of its gradient workers."""
-    _check_method(compute_method)
+    compute_method = one_of("compute_method", compute_method, COMPUTE_METHODS)
     ca, cg, exact = _sides(a, g, a_spec, g_spec, compute_method)
     total = ca.state + cg.state
     if exact and compute_method == "eigen" and eigen_outer_product:
@@ -132,7 +124,7 @@ def inverse_broadcast_elements(
     g_spec: str = "exact",
 ) -> int:
     """Elements of one layer's second-order broadcasts (A's and G's together)."""
-    _check_method(compute_method)
+    compute_method = one_of("compute_method", compute_method, COMPUTE_METHODS)
     ca, cg, _ = _sides(a, g, a_spec, g_spec, compute_method)
     return ca.state + cg.state
 
@@ -172,18 +164,13 @@ class RankTraffic:
     def per_step(self, factor_update_steps: int = 1, inv_update_steps: int = 1) -> float:
         """Average elements per step when factors update every ``factor_update_steps``
         steps and second-order state every ``inv_update_steps`` steps."""
-        _check_interval("factor_update_steps", factor_update_steps)
-        _check_interval("inv_update_steps", inv_update_steps)
+        check_count(factor_update_steps, "factor_update_steps", 1, type_error=ValueError)
+        check_count(inv_update_steps, "inv_update_steps", 1, type_error=ValueError)
         return (
             self.factor_allreduce / factor_update_steps
             + self.inverse_broadcast / inv_update_steps
             + self.grad_broadcast
         )
-
-
-def _check_rank(plan: WorkPlan, rank: int) -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < plan.world_size:
-        raise ValueError(f"rank must be an integer in [0, {plan.world_size}), got {rank!r}")
 
 
 def _column_layers(plan: WorkPlan, column: int) -> list[LayerAssignment]:
@@ -259,8 +246,8 @@ def rank_memory(
     ``eigen_outer_product`` (``compute_eigenvalue_outer_product``) only
     matters for the eigen method.
     """
-    _check_method(compute_method)
-    _check_rank(plan, rank)
+    compute_method = one_of("compute_method", compute_method, COMPUTE_METHODS)
+    check_count(rank, "rank", 0, high=plan.world_size, type_error=ValueError)
     own = _column_layers(plan, plan.column_of(rank))
     return _memory(_factor_total(plan), own, compute_method, eigen_outer_product)
 
@@ -272,8 +259,8 @@ def rank_traffic(
     symmetry_aware: bool = False,
 ) -> RankTraffic:
     """Elements ``rank`` passes to each kind of collective under ``plan``."""
-    _check_method(compute_method)
-    _check_rank(plan, rank)
+    compute_method = one_of("compute_method", compute_method, COMPUTE_METHODS)
+    check_count(rank, "rank", 0, high=plan.world_size, type_error=ValueError)
     own = _column_layers(plan, plan.column_of(rank))
     return _traffic(
         plan, _allreduce_total(plan, symmetry_aware), _grad_total(plan), own, compute_method
@@ -386,9 +373,9 @@ def summarize(
     has ``m`` ranks, so the statistics are taken over the columns: the work is
     ``O(layers + columns)`` whatever the world size.
     """
-    _check_method(compute_method)
-    _check_interval("factor_update_steps", factor_update_steps)
-    _check_interval("inv_update_steps", inv_update_steps)
+    compute_method = one_of("compute_method", compute_method, COMPUTE_METHODS)
+    check_count(factor_update_steps, "factor_update_steps", 1, type_error=ValueError)
+    check_count(inv_update_steps, "inv_update_steps", 1, type_error=ValueError)
     own: list[list[LayerAssignment]] = [[] for _ in range(plan.num_columns)]
     for la in plan.layers:
         own[la.column].append(la)

@@ -22,8 +22,9 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kaisa.choices import NAMED_FRACTIONS, AssignmentStrategy
+from kaisa.choices import ASSIGNMENT_STRATEGIES, NAMED_FRACTIONS, AssignmentStrategy
 from kaisa.curvature.costs import EIGH_COST, SideSpec, side_cost
+from kaisa.validation import check_count, one_of
 
 FractionSpec = float | str
 
@@ -183,8 +184,7 @@ def resolve_grad_workers(grad_worker_fraction: FractionSpec, world_size: int) ->
     ``grad_worker_fraction`` is a float in ``[0, 1]`` (``0`` means ``1/N``) or
     one of 'comm-opt' (1), 'hybrid-opt' (1/2) and 'mem-opt' (1/N).
     """
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    check_count(world_size, "world_size", 1, type_error=ValueError)
     if isinstance(grad_worker_fraction, str):
         key = grad_worker_fraction.lower()
         if key not in NAMED_FRACTIONS:
@@ -228,10 +228,7 @@ def make_plan(
     colocate_factors: bool = True,
 ) -> WorkPlan:
     """Compute the work plan (pure: the same inputs give the same plan on every rank)."""
-    if assignment_strategy not in ("compute", "memory"):
-        raise ValueError(
-            f"assignment_strategy must be 'compute' or 'memory', got {assignment_strategy!r}"
-        )
+    assignment_strategy = one_of("assignment_strategy", assignment_strategy, ASSIGNMENT_STRATEGIES)
     names = [layer.name for layer in layers]
     if len(set(names)) != len(names):
         raise ValueError("layer names in a work plan must be unique")

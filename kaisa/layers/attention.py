@@ -37,6 +37,7 @@ from torch.utils.hooks import RemovableHandle
 
 from kaisa.layers.base import CaptureFn, Detachable, GradSelect
 from kaisa.layers.linear import LinearHandler
+from kaisa.validation import one_of
 
 #: The projections of one attention module, in ``in_proj_weight``'s row order.
 ROLES = ("q", "k", "v", "out_proj")
@@ -198,8 +199,7 @@ class AttentionProjectionHandler(LinearHandler):
     kind = "kronecker (attention projection)"
 
     def __init__(self, module: nn.MultiheadAttention, role: str, site: _AttentionSite) -> None:
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}; got {role!r}")
+        role = one_of("role", role, ROLES)
         self.module = module
         self.role = role
         self.suffix = role

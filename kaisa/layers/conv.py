@@ -41,10 +41,12 @@ from typing import ClassVar, Literal, TypeVar, cast
 import torch
 from torch import nn
 
+from kaisa.choices import CONV_ESTIMATORS
 from kaisa.layers import _conv_patches as patches
 from kaisa.layers._conv_geometry import ConvGeometry
 from kaisa.layers._conv_shifted import ShiftedProducts, covers
 from kaisa.layers.base import LayerHandler, accumulator_dtype, gram, gram_with_ones
+from kaisa.validation import one_of
 
 __all__ = [
     "DEFAULT_MAX_PATCH_BYTES",
@@ -110,7 +112,9 @@ class _ConvHandler(LayerHandler):
         estimator: ConvEstimator | None = None,
         max_shift_bytes: int = DEFAULT_MAX_SHIFT_BYTES,
     ) -> _Handler:
-        if estimator == "reduce" and cls.estimator != "reduce":
+        # Any case, as __init__'s check (one_of) accepts; a bad value is refused there.
+        wants_reduce = isinstance(estimator, str) and estimator.lower() == "reduce"
+        if wants_reduce and cls.estimator != "reduce":
             variant = _REDUCE_VARIANTS.get(cls)
             if variant is None:
                 raise TypeError(
@@ -132,9 +136,10 @@ class _ConvHandler(LayerHandler):
             raise TypeError(f"{name} needs an nn.{self._module_type.__name__}, got {module!r}")
         if module.groups != 1:
             raise ValueError(f"{name} supports groups=1 only, got groups={module.groups}")
-        if estimator is not None and estimator not in ("expand", "reduce"):
-            raise ValueError(f"estimator must be 'expand' or 'reduce'; got {estimator!r}")
-        if estimator is not None and estimator != self.estimator:
+        if (
+            estimator is not None
+            and one_of("estimator", estimator, CONV_ESTIMATORS) != self.estimator
+        ):
             raise ValueError(f"{name} is the {self.estimator!r} estimator; got {estimator!r}")
         super().__init__(module)
         self.geometry = ConvGeometry.of(module)
