@@ -23,9 +23,9 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from kaisa.choices import CONV_ESTIMATORS, DAMPING_MODES, FACTOR_INITS, NAMED_FRACTIONS
 from kaisa.demo.config import (
@@ -94,6 +94,8 @@ timed on a quiet machine)."""
 
 _QUICK_OPTIONS = {"workloads": "workload"}
 
+_T = TypeVar("_T")
+
 
 class DemoError(Exception):
     """Bad input: reported as one line and exit code 2."""
@@ -104,44 +106,30 @@ class _Parser(argparse.ArgumentParser):
         raise DemoError(message)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _checked(
+    convert: Callable[[str], _T], accept: Callable[[_T], bool], expected: str
+) -> Callable[[str], _T]:
+    """An argparse type: ``convert(text)`` where ``accept`` takes it, else "expected ..."."""
+
+    def check(text: str) -> _T:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return check
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def _nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not (0.0 <= value < 1.0):
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
-    return value
+_positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
+_positive_float = _checked(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
+_nonnegative_float = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
+_fraction = _checked(float, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
+_unit_or_named = _checked(
+    float, lambda v: 0.0 <= v <= 1.0, f"a number in [0, 1] or one of {', '.join(NAMED_FRACTIONS)}"
+)
 
 
 def _target(text: str) -> float:
@@ -179,14 +167,7 @@ def _seeds(text: str) -> tuple[int, ...]:
 def _gwf(text: str) -> float | str:
     if text.lower() in NAMED_FRACTIONS:
         return text.lower()
-    expected = f"a number in [0, 1] or one of {', '.join(NAMED_FRACTIONS)}"
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-    if not (0.0 <= value <= 1.0):
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-    return value
+    return _unit_or_named(text)
 
 
 def _kl_clip(text: str) -> float | str:
@@ -195,20 +176,23 @@ def _kl_clip(text: str) -> float | str:
     return _positive_float(text)
 
 
-def _names(text: str) -> list[str]:
-    return [p.strip() for p in text.split(",") if p.strip()]
+def _names(text: str, what: str | None = None) -> list[str]:
+    """The comma-separated names in ``text``; with ``what``, at least one of them."""
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if what is not None and not names:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}, got {text!r}")
+    return names
+
+
+def _arm(name: str) -> str:
+    try:
+        return base_arm(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _arms(text: str) -> tuple[str, ...]:
-    names = _names(text)
-    if not names:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of arms, got {text!r}")
-    canonical = []
-    for name in names:
-        try:
-            canonical.append(base_arm(name))
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
+    canonical = [_arm(name) for name in _names(text, "arms")]
     return tuple(n for n in ARM_NAMES if n in canonical)
 
 
@@ -221,16 +205,7 @@ def _workload(name: str) -> str:
 
 
 def _workloads(text: str) -> tuple[str, ...]:
-    names = _names(text)
-    if not names:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of workloads, got {text!r}"
-        )
-    out: list[str] = []
-    for name in names:
-        if _workload(name) not in out:
-            out.append(name)
-    return tuple(out)
+    return tuple(dict.fromkeys(_workload(name) for name in _names(text, "workloads")))
 
 
 def _lr_overrides(text: str) -> dict[str, float]:
@@ -241,14 +216,17 @@ def _lr_overrides(text: str) -> dict[str, float]:
             raise argparse.ArgumentTypeError(
                 f"expected ARM=LR pairs such as sgd=0.1,adamw=0.002, got {item!r}"
             )
-        try:
-            name = base_arm(arm.strip())
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-        out[name] = _positive_float(value.strip())
+        out[_arm(arm.strip())] = _positive_float(value.strip())
     if not out:
         raise argparse.ArgumentTypeError(f"expected ARM=LR pairs, got {text!r}")
     return out
+
+
+def _on_off(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected 'on' or 'off'; got {text!r}")
+    return value == "on"
 
 
 def _show(value: Any) -> str:
@@ -260,26 +238,6 @@ def _show(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:g}"
     return str(value)
-
-
-def _option(
-    group: Any, *flags: str, help: str, default_text: str | None = None, **kwargs: Any
-) -> None:
-    """Add an option whose help ends in its default, "(default: ...)", the one style.
-
-    ``default_text`` describes a default that is not a value (the workload's,
-    the library's, ...); without it the help shows ``kwargs["default"]``.
-    """
-    shown = default_text if default_text is not None else _show(kwargs["default"])
-    text = f"{help} (default: {shown})"
-    group.add_argument(*flags, help=text.replace("%", "%%"), **kwargs)
-
-
-def _on_off(text: str) -> bool:
-    value = text.strip().lower()
-    if value not in ("on", "off"):
-        raise argparse.ArgumentTypeError(f"expected 'on' or 'off'; got {text!r}")
-    return value == "on"
 
 
 def _library_default(name: str) -> str:
@@ -298,8 +256,200 @@ def _library_default(name: str) -> str:
     return f"{shown}, {default}"
 
 
-def _parser() -> _Parser:
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+_Options = dict[str, tuple[str, dict[str, Any]]]
+"""Options by flag: the help (without its default) and ``add_argument``'s other arguments."""
+
+_KFAC_OPTIONS: _Options = {
+    "--factor-update-steps": ("update the factors every N steps", {"type": _positive_int}),
+    "--inv-update-steps": ("recompute the eigenbases every N steps", {"type": _positive_int}),
+    "--damping": ("Tikhonov damping", {"type": _positive_float}),
+    "--kl-clip": ("KL clip; 'none' turns it off", {"type": _kl_clip}),
+    "--factor-decay": ("running-average decay of the factors", {"type": _fraction}),
+    "--conv-factor-estimator": (
+        "conv factors from every patch ('expand') or per-sample patch means ('reduce')",
+        {"choices": CONV_ESTIMATORS},
+    ),
+    "--damping-mode": (
+        "damping added as is or relative to each factor's mean eigenvalue",
+        {"choices": DAMPING_MODES},
+    ),
+    "--factor-init": (
+        "factors start as the identity or as the first batch's factors",
+        {"choices": FACTOR_INITS},
+    ),
+    "--calibrate-budget": (
+        "'off': the curvature choice from the cost model alone (the same on every "
+        "machine); 'on': re-chosen after 10 steps from the measured iteration",
+        {"type": _on_off, "metavar": "{on,off}", "default_text": "the library's, on"},
+    ),
+    "--grad-worker-fraction": (
+        "KAISA gradient-worker fraction with --nproc (1: COMM-OPT, 1/N: MEM-OPT)",
+        {"type": _gwf},
+    ),
+}
+"""The overrides of ``kaisa.KFACPreconditioner``'s defaults, one per field of
+:class:`~kaisa.demo.config.KfacConfig` (the option's destination is the
+field's and the library's name); unset, each is the library's default, which
+the help shows."""
+
+
+def _option_groups() -> list[tuple[str, str | None, _Options]]:
+    """The options of :func:`_parser`, group by group, in the order the help shows them.
+
+    Each option's help ends in "(default: ...)": ``default_text`` where given
+    (a default that is not a value: the workload's, the library's, ...), else
+    the ``default`` argument as :func:`_show` shows it.
+    """
     d = DEFAULTS
+    workloads = ", ".join(
+        f"{w.name} ({w.target_accuracy:.0%} in {w.epochs} epochs"
+        + (", provisional" if w.provisional else "")
+        + ")"
+        for w in WORKLOADS.values()
+    )
+    quick = ", ".join(f"--{_QUICK_OPTIONS.get(k, k)} {_show(v)}" for k, v in QUICK.items())
+    lr_file = DEFAULT_LR_FILE.relative_to(DEFAULT_LR_FILE.parents[2])
+    as_for_lr = "as for --lr"
+    off = {"action": "store_true", "default": False}
+    data: _Options = {
+        "--data-dir": (
+            "directory with the four Fashion-MNIST IDX .gz files",
+            {
+                "default": os.environ.get("KAISA_DATA_DIR", DEFAULT_DATA_DIR),
+                "default_text": f"$KAISA_DATA_DIR if set, else {DEFAULT_DATA_DIR}",
+            },
+        ),
+        "--workload": (
+            "comma-separated workloads, each with its own target and epoch budget: " + workloads,
+            {"type": _workloads, "default_text": _show(d["workloads"])},
+        ),
+        "--model": (
+            "deprecated: the same as --workload with a single name",
+            {"type": _workload, "default_text": "none; use --workload"},
+        ),
+    }
+    arms: _Options = {
+        "--arms": (
+            f"comma-separated arms: {', '.join(ARM_NAMES)} ('kaisa' = kaisa-sgd)",
+            {"type": _arms, "default_text": "all"},
+        ),
+        "--lr": (
+            "peak learning rates for every workload, e.g. sgd=0.1,muon=0.02 (Muon: the "
+            "matrix LR; its AdamW group runs at 0.1x)",
+            {
+                "type": _lr_overrides,
+                "metavar": "ARM=LR[,...]",
+                "default_text": "the --lr-file's LR for the workload and arm, else the "
+                "fallback table",
+            },
+        ),
+        "--sgd-lr": (
+            "the same as --lr sgd=LR",
+            {"type": _positive_float, "default_text": as_for_lr},
+        ),
+        "--kaisa-lr": (
+            "the same as --lr kaisa-sgd=LR",
+            {"type": _positive_float, "default_text": as_for_lr},
+        ),
+        "--lr-file": (
+            "best peak LR per (workload, arm), as written by benchmarks/lr_sweep.py --suite",
+            {"type": Path, "default_text": f"{lr_file} in a source checkout, if there"},
+        ),
+    }
+    training: _Options = {
+        "--epochs": (
+            "epoch budget for every workload",
+            {"type": _positive_int, "default_text": "the workload's"},
+        ),
+        "--batch-size": ("global batch", {"type": _positive_int, "default": d["batch_size"]}),
+        "--warmup-epochs": (
+            "linear warm-up length, then cosine decay to 0",
+            {"type": _nonnegative_float, "default": d["warmup_epochs"]},
+        ),
+        "--momentum": (
+            "SGD momentum (sgd, kaisa-sgd)",
+            {"type": _fraction, "default": d["momentum"]},
+        ),
+        "--weight-decay": (
+            "SGD's coupled weight decay (sgd, kaisa-sgd)",
+            {"type": _nonnegative_float, "default": d["weight_decay"]},
+        ),
+        "--adamw-weight-decay": (
+            "decoupled weight decay of adamw, kaisa-adamw, soap and Muon's AdamW group "
+            "(Muon's own group: 0.1x, the same lr*wd per step)",
+            {"type": _nonnegative_float, "default": d["adamw_weight_decay"]},
+        ),
+    }
+    kfac: _Options = {
+        flag: (text, {"default_text": _library_default(_dest(flag)), **kwargs})
+        for flag, (text, kwargs) in _KFAC_OPTIONS.items()
+    }
+    measurement: _Options = {
+        "--target": (
+            "target test accuracy (a fraction) for every workload",
+            {"type": _target, "default_text": "the workload's"},
+        ),
+        "--seeds": (
+            "comma-separated seeds; results are medians over them",
+            {"type": _seeds, "default_text": _show(d["seeds"])},
+        ),
+        "--eval-every": (
+            "evaluate every N steps",
+            {"type": _positive_int, "default_text": _show(d["eval_every"])},
+        ),
+        "--eval-every-near": (
+            "evaluate every N steps while within 1 point below the target",
+            {"type": _positive_int, "default_text": "--eval-every / 4"},
+        ),
+        "--stop-at-target": (
+            "end each run at the first evaluation that reaches the target (the time to the "
+            "target is unchanged; 'final' accuracy is then the accuracy there)",
+            {"action": argparse.BooleanOptionalAction, "default": d["stop_at_target"]},
+        ),
+        "--threads": (
+            "torch threads in all, divided among the --nproc processes (at least 1 each)",
+            {"type": _positive_int, "default": d["threads"]},
+        ),
+        "--nproc": (
+            "processes (torchrun + gloo, DDP for every arm, KAISA distributed); the batch is "
+            "split among them",
+            {"type": _positive_int, "default": d["nproc"]},
+        ),
+        "--quick": ("a version of about two minutes: " + quick, off),
+        "--out": ("output directory", {"default_text": "runs/demo-<timestamp>"}),
+        "--sequential": (
+            "train the arms one after the other instead of in lockstep (one step of each "
+            "in turn, so that the machine's load falls on all alike); gives each arm its own "
+            "peak memory",
+            off,
+        ),
+        "--progress-every": (
+            "when the output is not a terminal, print a progress line per arm (workload, "
+            "arm, seed, step, elapsed time, last test accuracy) every SECONDS; 0: after every "
+            "step",
+            {"type": _nonnegative_float, "default": d["progress_seconds"], "metavar": "SECONDS"},
+        ),
+        "--no-progress": ("no progress bars on a terminal, no progress lines otherwise", off),
+    }
+    return [
+        ("data and workloads", None, data),
+        ("arms and learning rates", None, arms),
+        ("training (all arms)", None, training),
+        (
+            "K-FAC / KAISA overrides",
+            "The kaisa arms use kaisa.KFACPreconditioner's defaults; each option here "
+            "overrides one of them for every workload.",
+            kfac,
+        ),
+        ("measurement", None, measurement),
+    ]
+
+
+def _parser() -> _Parser:
     p = _Parser(
         prog=PROG,
         description=(
@@ -319,280 +469,14 @@ def _parser() -> _Parser:
             "every --progress-every seconds instead."
         ),
     )
-    g = p.add_argument_group("data and workloads")
-    _option(
-        g,
-        "--data-dir",
-        default=os.environ.get("KAISA_DATA_DIR", DEFAULT_DATA_DIR),
-        help="directory with the four Fashion-MNIST IDX .gz files",
-        default_text=f"$KAISA_DATA_DIR if set, else {DEFAULT_DATA_DIR}",
-    )
-    _option(
-        g,
-        "--workload",
-        type=_workloads,
-        help="comma-separated workloads, each with its own target and epoch budget: "
-        + ", ".join(
-            f"{w.name} ({w.target_accuracy:.0%} in {w.epochs} epochs"
-            + (", provisional" if w.provisional else "")
-            + ")"
-            for w in WORKLOADS.values()
-        ),
-        default_text=_show(d["workloads"]),
-    )
-    _option(
-        g,
-        "--model",
-        type=_workload,
-        help="deprecated: the same as --workload with a single name",
-        default_text="none; use --workload",
-    )
-    g = p.add_argument_group("arms and learning rates")
-    _option(
-        g,
-        "--arms",
-        type=_arms,
-        help=f"comma-separated arms: {', '.join(ARM_NAMES)} ('kaisa' = kaisa-sgd)",
-        default_text="all",
-    )
-    _option(
-        g,
-        "--lr",
-        type=_lr_overrides,
-        metavar="ARM=LR[,...]",
-        help="peak learning rates for every workload, e.g. sgd=0.1,muon=0.02 (Muon: the "
-        "matrix LR; its AdamW group runs at 0.1x)",
-        default_text="the --lr-file's LR for the workload and arm, else the fallback table",
-    )
-    _option(
-        g,
-        "--sgd-lr",
-        type=_positive_float,
-        help="the same as --lr sgd=LR",
-        default_text="as for --lr",
-    )
-    _option(
-        g,
-        "--kaisa-lr",
-        type=_positive_float,
-        help="the same as --lr kaisa-sgd=LR",
-        default_text="as for --lr",
-    )
-    _option(
-        g,
-        "--lr-file",
-        type=Path,
-        help="best peak LR per (workload, arm), as written by benchmarks/lr_sweep.py --suite",
-        default_text=f"{DEFAULT_LR_FILE.relative_to(DEFAULT_LR_FILE.parents[2])} in a source "
-        "checkout, if there",
-    )
-    g = p.add_argument_group("training (all arms)")
-    _option(
-        g,
-        "--epochs",
-        type=_positive_int,
-        help="epoch budget for every workload",
-        default_text="the workload's",
-    )
-    _option(g, "--batch-size", type=_positive_int, default=d["batch_size"], help="global batch")
-    _option(
-        g,
-        "--warmup-epochs",
-        type=_nonnegative_float,
-        default=d["warmup_epochs"],
-        help="linear warm-up length, then cosine decay to 0",
-    )
-    _option(
-        g,
-        "--momentum",
-        type=_fraction,
-        default=d["momentum"],
-        help="SGD momentum (sgd, kaisa-sgd)",
-    )
-    _option(
-        g,
-        "--weight-decay",
-        type=_nonnegative_float,
-        default=d["weight_decay"],
-        help="SGD's coupled weight decay (sgd, kaisa-sgd)",
-    )
-    _option(
-        g,
-        "--adamw-weight-decay",
-        type=_nonnegative_float,
-        default=d["adamw_weight_decay"],
-        help="decoupled weight decay of adamw, kaisa-adamw, soap and Muon's AdamW group "
-        "(Muon's own group: 0.1x, the same lr*wd per step)",
-    )
-    g = p.add_argument_group(
-        "K-FAC / KAISA overrides",
-        "The kaisa arms use kaisa.KFACPreconditioner's defaults; each option here overrides "
-        "one of them for every workload.",
-    )
-    _option(
-        g,
-        "--factor-update-steps",
-        type=_positive_int,
-        help="update the factors every N steps",
-        default_text=_library_default("factor_update_steps"),
-    )
-    _option(
-        g,
-        "--inv-update-steps",
-        type=_positive_int,
-        help="recompute the eigenbases every N steps",
-        default_text=_library_default("inv_update_steps"),
-    )
-    _option(
-        g,
-        "--damping",
-        type=_positive_float,
-        help="Tikhonov damping",
-        default_text=_library_default("damping"),
-    )
-    _option(
-        g,
-        "--kl-clip",
-        type=_kl_clip,
-        help="KL clip; 'none' turns it off",
-        default_text=_library_default("kl_clip"),
-    )
-    _option(
-        g,
-        "--factor-decay",
-        type=_fraction,
-        help="running-average decay of the factors",
-        default_text=_library_default("factor_decay"),
-    )
-    _option(
-        g,
-        "--conv-factor-estimator",
-        choices=CONV_ESTIMATORS,
-        help="conv factors from every patch ('expand') or per-sample patch means ('reduce')",
-        default_text=_library_default("conv_factor_estimator"),
-    )
-    _option(
-        g,
-        "--damping-mode",
-        choices=DAMPING_MODES,
-        help="damping added as is or relative to each factor's mean eigenvalue",
-        default_text=_library_default("damping_mode"),
-    )
-    _option(
-        g,
-        "--factor-init",
-        choices=FACTOR_INITS,
-        help="factors start as the identity or as the first batch's factors",
-        default_text=_library_default("factor_init"),
-    )
-    _option(
-        g,
-        "--calibrate-budget",
-        type=_on_off,
-        metavar="{on,off}",
-        help="'off': the curvature choice from the cost model alone (the same on every "
-        "machine); 'on': re-chosen after 10 steps from the measured iteration",
-        default_text="the library's, on",
-    )
-    _option(
-        g,
-        "--grad-worker-fraction",
-        type=_gwf,
-        help="KAISA gradient-worker fraction with --nproc (1: COMM-OPT, 1/N: MEM-OPT)",
-        default_text=_library_default("grad_worker_fraction"),
-    )
-    g = p.add_argument_group("measurement")
-    _option(
-        g,
-        "--target",
-        type=_target,
-        help="target test accuracy (a fraction) for every workload",
-        default_text="the workload's",
-    )
-    _option(
-        g,
-        "--seeds",
-        type=_seeds,
-        help="comma-separated seeds; results are medians over them",
-        default_text=_show(d["seeds"]),
-    )
-    _option(
-        g,
-        "--eval-every",
-        type=_positive_int,
-        help="evaluate every N steps",
-        default_text=_show(d["eval_every"]),
-    )
-    _option(
-        g,
-        "--eval-every-near",
-        type=_positive_int,
-        help="evaluate every N steps while within 1 point below the target",
-        default_text="--eval-every / 4",
-    )
-    _option(
-        g,
-        "--stop-at-target",
-        action=argparse.BooleanOptionalAction,
-        default=d["stop_at_target"],
-        help="end each run at the first evaluation that reaches the target (the time to the "
-        "target is unchanged; 'final' accuracy is then the accuracy there)",
-    )
-    _option(
-        g,
-        "--threads",
-        type=_positive_int,
-        default=d["threads"],
-        help="torch threads in all, divided among the --nproc processes (at least 1 each)",
-    )
-    _option(
-        g,
-        "--nproc",
-        type=_positive_int,
-        default=d["nproc"],
-        help="processes (torchrun + gloo, DDP for every arm, KAISA distributed); the batch is "
-        "split among them",
-    )
-    _option(
-        g,
-        "--quick",
-        action="store_true",
-        help="a version of about two minutes: "
-        + ", ".join(f"--{_QUICK_OPTIONS.get(k, k)} {_show(v)}" for k, v in QUICK.items()),
-        default_text="off",
-    )
-    _option(
-        g,
-        "--out",
-        help="output directory",
-        default_text="runs/demo-<timestamp>",
-    )
-    _option(
-        g,
-        "--sequential",
-        action="store_true",
-        help="train the arms one after the other instead of in lockstep (one step of each "
-        "in turn, so that the machine's load falls on all alike); gives each arm its own "
-        "peak memory",
-        default_text="off",
-    )
-    _option(
-        g,
-        "--progress-every",
-        type=_nonnegative_float,
-        default=d["progress_seconds"],
-        metavar="SECONDS",
-        help="when the output is not a terminal, print a progress line per arm (workload, "
-        "arm, seed, step, elapsed time, last test accuracy) every SECONDS; 0: after every "
-        "step",
-    )
-    _option(
-        g,
-        "--no-progress",
-        action="store_true",
-        help="no progress bars on a terminal, no progress lines otherwise",
-        default_text="off",
-    )
+    for title, description, options in _option_groups():
+        group = p.add_argument_group(title, description)
+        for flag, (text, spec) in options.items():
+            kwargs = dict(spec)
+            default_text = kwargs.pop("default_text", None)
+            shown = default_text if default_text is not None else _show(kwargs["default"])
+            help_text = f"{text} (default: {shown})"
+            group.add_argument(flag, help=help_text.replace("%", "%%"), **kwargs)
     return p
 
 
@@ -602,18 +486,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def _kfac_overrides(args: argparse.Namespace) -> KfacConfig:
-    return KfacConfig(
-        factor_update_steps=args.factor_update_steps,
-        inv_update_steps=args.inv_update_steps,
-        damping=args.damping,
-        kl_clip=args.kl_clip,
-        factor_decay=args.factor_decay,
-        grad_worker_fraction=args.grad_worker_fraction,
-        conv_factor_estimator=args.conv_factor_estimator,
-        damping_mode=args.damping_mode,
-        factor_init=args.factor_init,
-        calibrate_budget=args.calibrate_budget,
-    )
+    return KfacConfig(**{_dest(flag): getattr(args, _dest(flag)) for flag in _KFAC_OPTIONS})
 
 
 def _lr_table(args: argparse.Namespace) -> tuple[dict[str, dict[str, tuple[float, str]]], str]:
@@ -633,6 +506,11 @@ def _lr_table(args: argparse.Namespace) -> tuple[dict[str, dict[str, tuple[float
     return table, f"sweep file {path if shown.startswith('..') else shown}"
 
 
+def _given(value: _T | None, preset: _T) -> _T:
+    """An option's value where given, else the preset's (:data:`DEFAULTS`, :data:`QUICK`)."""
+    return value if value is not None else preset
+
+
 def build_config(args: argparse.Namespace) -> SuiteConfig:
     """Check the options against each other and build the suite's configuration."""
     preset = dict(DEFAULTS)
@@ -643,10 +521,10 @@ def build_config(args: argparse.Namespace) -> SuiteConfig:
     if args.model is not None:
         workloads: tuple[str, ...] = (args.model,)
     else:
-        workloads = args.workload if args.workload is not None else preset["workloads"]
-    arms: tuple[str, ...] = args.arms if args.arms is not None else preset["arms"]
-    seeds = args.seeds if args.seeds is not None else preset["seeds"]
-    eval_every = args.eval_every if args.eval_every is not None else preset["eval_every"]
+        workloads = _given(args.workload, preset["workloads"])
+    arms: tuple[str, ...] = _given(args.arms, preset["arms"])
+    seeds = _given(args.seeds, preset["seeds"])
+    eval_every = _given(args.eval_every, preset["eval_every"])
     if args.batch_size % args.nproc:
         raise DemoError(
             f"argument --batch-size: {args.batch_size} is not divisible by --nproc {args.nproc}"
@@ -701,16 +579,12 @@ def build_config(args: argparse.Namespace) -> SuiteConfig:
                 out_dir=os.path.join(out, name),
                 arms=tuple(arm_configs),
                 model=w.model,
-                epochs=args.epochs if args.epochs is not None else preset.get("epochs", w.epochs),
+                epochs=_given(args.epochs, preset.get("epochs", w.epochs)),
                 batch_size=args.batch_size,
                 warmup_epochs=args.warmup_epochs,
                 eval_every=eval_every,
                 eval_every_near=args.eval_every_near,
-                target_accuracy=(
-                    args.target
-                    if args.target is not None
-                    else preset.get("target", w.target_accuracy)
-                ),
+                target_accuracy=_given(args.target, preset.get("target", w.target_accuracy)),
                 seeds=tuple(seeds),
                 threads=max(1, args.threads // args.nproc),
                 nproc=args.nproc,
