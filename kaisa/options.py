@@ -9,7 +9,7 @@ what is allowed.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,9 +142,123 @@ def _dtype(name: str, value: object, allow_none: bool = True) -> torch.dtype | N
 MIN_DAMPING = 1e-12
 
 
+class _ReadOnly(Mapping[str, Hyperparameter]):
+    """A mapping that cannot be changed (and, unlike ``MappingProxyType``, can be copied)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: dict[str, Hyperparameter]) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: str) -> Hyperparameter:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+@dataclass(frozen=True)
+class StepHyper:
+    """Every hyperparameter's value at one step (:meth:`KFACOptions.resolve`)."""
+
+    factor_update_steps: int
+    inv_update_steps: int
+    damping: float
+    factor_decay: float
+    kl_clip: float | None  # None: KL clipping off
+    lr: float
+
+
 @dataclass(frozen=True)
 class KFACOptions:
-    """The validated constructor arguments of :class:`~kaisa.KFACPreconditioner`."""
+    """The validated constructor arguments of :class:`~kaisa.KFACPreconditioner`.
+
+    Each option, as the constructor takes it (every bad value raises
+    ``TypeError`` or ``ValueError`` naming it and what is allowed).
+
+    Attributes:
+        factor_update_steps: update the factors every this many steps.
+        inv_update_steps: recompute the second-order state every this many steps.
+        damping: Tikhonov damping ``γ`` (>= 1e-12: below, no float32 or float64
+            solve is regularised; a singular factor would give inf or NaN).
+        factor_decay: running-average decay ``ξ`` in ``[0, 1)``.
+        kl_clip: KL-clipping bound ``κ`` (> 0), or ``None`` to turn clipping off.
+        lr: learning rate used by KL clipping (should follow the optimizer's).
+        accumulation_steps: forward/backward passes per ``step()`` (default 1;
+            with a DeepSpeed engine, its ``gradient_accumulation_steps``).
+        allreduce_bucket_cap_mb: size bound of one factor all-reduce bucket.
+        assignment_strategy: balance decompositions by 'compute' (``n³``) or
+            'memory' (``n²``).
+        colocate_factors: decompose a layer's ``A`` and ``G`` on the same rank.
+        compute_method: 'eigen' (exact solve) or 'inverse' (damped inverses).
+        compute_eigenvalue_outer_product: precompute ``1 ⊘ (λ_G λ_Aᵀ + γ)`` at
+            each inverse update (damping frozen until the next one).
+        grad_worker_fraction: float in ``[0, 1]`` (0 means ``1/N``) or
+            'comm-opt', 'hybrid-opt', 'mem-opt'.
+        symmetry_aware: all-reduce only the upper triangles of the factors.
+        grad_scaler: a ``torch.amp.GradScaler`` or a callable returning the
+            current loss scale; captured output gradients are unscaled with it.
+        factor_dtype: dtype of the captures' products and the factors (default:
+            the weights' dtype, at least float32).
+        inv_dtype: dtype of the second-order state (default float32; ``None``
+            follows the factors).
+        skip_layers: regular expressions; a module whose name or class name
+            matches one is not registered, nor is anything inside it.
+        update_factors_in_hook: compute factor products inside the hooks (so the
+            all-reduce overlaps the backward pass) rather than in ``step()``.
+        conv_factor_estimator: 'expand' (spec §3, every patch is a row) or
+            'reduce' (patches averaged over output positions before the outer
+            product: ``N`` rows instead of ``N·T``; much cheaper, an
+            approximation whose effect on accuracy the demo measures).
+        factor_product_dtype: dtype the captures are cast to for the factor
+            products (default ``factor_dtype``). ``torch.bfloat16`` runs the
+            products about 3× faster on CPUs with bf16 matrix support; the
+            results are accumulated and averaged in ``factor_dtype``.
+        damping_mode: 'absolute' (spec §4: ``γ`` is added to ``λ_G λ_Aᵀ``, or to
+            each factor for 'inverse') or 'relative' (each factor is first
+            divided by its mean eigenvalue ``trace/size``, so ``γ`` means the
+            same in layers whose curvature differs by orders of magnitude).
+        factor_init: 'identity' (spec §3: factors start as ``I`` and every
+            update uses ``factor_decay``) or 'first_batch' (the ``k``-th update
+            of a layer uses ``min(factor_decay, k/(k+1))``: the first replaces
+            the identity, then an equal-weight mean until the exponential
+            average takes over).
+        curvature: how each side of each layer is held (spec §8): 'auto' (the
+            default: chosen to fit ``time_budget``), or 'exact', 'lowrank:K',
+            'kvec', 'diagonal', a pair ``(A, G)`` of those (or 'auto'), or a
+            mapping from layer-name regular expressions to those (first match
+            wins; unmatched layers are 'auto').
+        time_budget: K-FAC's work per step as a share of the registered
+            layers' forward and backward work (``> 0``, default 0.1). At the
+            first factor-update step kaisa chooses every 'auto' side's
+            representation and the intervals left as ``None`` to fit it
+            (:mod:`kaisa.curvature.budget`; ``curvature_choice`` holds the
+            outcome). The choice depends on the rows each rank sees.
+        calibrate_budget: measure the iteration on the clock and choose again
+            (default ``True``): :data:`~kaisa.autochoice.CALIBRATION_STEPS` steps after the
+            first choice, the median forward-and-backward time of those steps
+            and one factor update's captures scale the budget's allowance by
+            how much slower the iteration runs than the registered layers'
+            multiply-adds suggest (:func:`kaisa.curvature.budget.time_scale`;
+            maxima over the ranks, so every rank chooses alike). ``False``:
+            the cost model alone, the same choice on every machine.
+        process_group: the data-parallel group over which this model's layers
+            are replicated (default: the whole world). KAISA's plan, its
+            collectives and the agreement check span this group only, so
+            each pipeline stage (or model-parallel shard) builds its own
+            preconditioner over the replicas of its own layers; only the
+            group's members construct it. Gradients must already be averaged
+            over the group when ``step()`` runs (as DDP with this group does).
+
+    ``factor_update_steps``, ``inv_update_steps`` and ``factor_decay`` default
+    to ``None``: chosen by the budget (the decay keeps a 200-step averaging
+    window, ``1 − interval/200``). Every numeric hyperparameter may also be a
+    callable ``f(step) -> value`` (a schedule), read once per step
+    (:meth:`resolve`). The instance never changes after construction.
+    """
 
     factor_update_steps: Any = None
     inv_update_steps: Any = None
@@ -173,7 +287,7 @@ class KFACOptions:
     time_budget: float = 0.1
     calibrate_budget: bool = True
     # Derived, validated views.
-    hyper: dict[str, Hyperparameter] = field(init=False, repr=False, compare=False)
+    hyper: Mapping[str, Hyperparameter] = field(init=False, repr=False, compare=False)
     #: Which of :data:`AUTO_OPTIONS` were left to the automatic choice.
     auto: frozenset[str] = field(init=False, repr=False, compare=False)
     #: ``curvature`` as ``(regex, (A, G))`` rules, first match wins.
@@ -184,7 +298,7 @@ class KFACOptions:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "auto", frozenset(n for n in AUTO_OPTIONS if getattr(self, n) is None))
-        # Placeholders until the automatic choice (the preconditioner replaces them).
+        # Placeholders for the automatic ones (never read: see resolve()).
         provisional = {
             "factor_update_steps": MIN_FACTOR_STEPS,
             "inv_update_steps": MIN_INV_STEPS,
@@ -210,7 +324,7 @@ class KFACOptions:
         }
         if self.kl_clip is not None:
             hyper["kl_clip"] = Hyperparameter(Rule("kl_clip", low=0.0, low_open=True), self.kl_clip)
-        set_(self, "hyper", hyper)
+        set_(self, "hyper", _ReadOnly(hyper))
         steps = self.accumulation_steps
         if isinstance(steps, bool) or not isinstance(steps, int):
             raise TypeError(f"accumulation_steps must be an integer >= 1; got {steps!r}")
@@ -292,6 +406,15 @@ class KFACOptions:
                 f"work per step, e.g. 0.1); got {budget!r}"
             )
 
+    def dtypes(self, weight_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+        """``(factor, second-order, product)`` dtypes for weights of ``weight_dtype``.
+
+        Factors default to the weights' dtype, at least float32; the
+        second-order state and the products default to the factors'.
+        """
+        factor = self.factor_dtype or torch.promote_types(weight_dtype, torch.float32)
+        return factor, self.inv_dtype or factor, self.factor_product_dtype or factor
+
     def fixed_sides(self, layer_name: str) -> FixedSides:
         """The representations the user fixed for a layer's ``(A, G)`` (``None``: automatic)."""
         for pattern, sides in self.curvature_rules:
@@ -299,22 +422,63 @@ class KFACOptions:
                 return sides
         return None, None
 
-    def set_chosen(self, factor_update_steps: int, inv_update_steps: int) -> None:
-        """Install the automatic choice's intervals (and decay) for the options left to it."""
+    def resolve(self, step: int, chosen: tuple[int, int] | None = None) -> StepHyper:
+        """Every hyperparameter's value at ``step``, checked (a bad schedule value raises).
+
+        ``chosen``: the automatic choice's ``(factor, inverse)`` intervals once
+        it is made (``None`` before); they replace the options left to it,
+        and an automatic ``factor_decay`` follows the factor interval in force
+        (:func:`auto_decay`). Before the choice the automatic options hold
+        placeholders (factors every :data:`MIN_FACTOR_STEPS`, inverses every
+        :data:`MIN_INV_STEPS` steps).
+        """
+        hyper, auto = self.hyper, self.auto
+        factor_steps = self.factor_interval(step, chosen)
+        if "inv_update_steps" in auto:
+            inv_steps = chosen[1] if chosen is not None else MIN_INV_STEPS
+        else:
+            inv_steps = hyper["inv_update_steps"].int_at(step)
+        if "factor_decay" not in auto:
+            decay = hyper["factor_decay"].at(step)
+        elif chosen is None:
+            decay = auto_decay(MIN_FACTOR_STEPS)
+        else:
+            # The interval in force when the choice was installed: a schedule's
+            # value cannot stand for it, so the shortest automatic one does.
+            steps = hyper["factor_update_steps"]
+            interval = (
+                chosen[0]
+                if "factor_update_steps" in auto
+                else int(steps.constant)
+                if steps.constant is not None
+                else MIN_FACTOR_STEPS
+            )
+            decay = auto_decay(interval)
+        kl_clip = hyper.get("kl_clip")
+        return StepHyper(
+            factor_update_steps=factor_steps,
+            inv_update_steps=inv_steps,
+            damping=hyper["damping"].at(step),
+            factor_decay=decay,
+            kl_clip=None if kl_clip is None else kl_clip.at(step),
+            lr=hyper["lr"].at(step),
+        )
+
+    def factor_interval(self, step: int, chosen: tuple[int, int] | None = None) -> int:
+        """``factor_update_steps`` at ``step`` (see :meth:`resolve`), alone."""
         if "factor_update_steps" in self.auto:
-            self.hyper["factor_update_steps"] = Hyperparameter(
-                self.hyper["factor_update_steps"].rule, factor_update_steps
-            )
-        if "inv_update_steps" in self.auto:
-            self.hyper["inv_update_steps"] = Hyperparameter(
-                self.hyper["inv_update_steps"].rule, inv_update_steps
-            )
-        if "factor_decay" in self.auto:
-            steps = self.hyper["factor_update_steps"]
-            interval = int(steps.constant) if steps.constant is not None else MIN_FACTOR_STEPS
-            self.hyper["factor_decay"] = Hyperparameter(
-                self.hyper["factor_decay"].rule, auto_decay(interval)
-            )
+            return chosen[0] if chosen is not None else MIN_FACTOR_STEPS
+        return self.hyper["factor_update_steps"].int_at(step)
+
+    def describe_hyper(self, values: StepHyper) -> str:
+        """``name=value`` for each hyperparameter: as given, or as chosen when automatic."""
+        parts = []
+        for name, hyper in self.hyper.items():
+            shown = getattr(values, name) if name in self.auto else hyper.value
+            parts.append(f"{name}={shown!r}")
+        if "kl_clip" not in self.hyper:
+            parts.append("kl_clip=None")
+        return ", ".join(parts)
 
     def scaler_still_scaled(self) -> bool:
         """A ``torch.amp.GradScaler`` that is on and has unscaled no optimizer this iteration.

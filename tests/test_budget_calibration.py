@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import kaisa
+from kaisa.autochoice import CALIBRATION_STEPS
 from kaisa.curvature.budget import MAX_TIME_SCALE, LayerWork, choose_curvature, time_scale
 from kaisa.curvature.costs import DEFAULT_COST_MODEL
-from kaisa.preconditioner import CALIBRATION_STEPS
 
 # -- time_scale, by hand --------------------------------------------------------------------
 
@@ -171,13 +171,11 @@ def test_a_slow_iteration_widens_the_budget_after_calibration(clock: Clock) -> N
     choices = train(model, pre, range(CALIBRATION_STEPS + 5))
     assert choices[:CALIBRATION_STEPS] == [first] * CALIBRATION_STEPS
     assert choices[CALIBRATION_STEPS:] == [calibrated] * 5
-    assert [tuple(map(str, la.block.specs)) for la in pre._layers] == list(
-        calibrated.specs.values()
-    )
+    assert [tuple(map(str, la.block.specs)) for la in pre.layers] == list(calibrated.specs.values())
     assert pre.hyperparameter("factor_update_steps") == calibrated.factor_update_steps
     assert pre.hyperparameter("inv_update_steps") == calibrated.inv_update_steps
     # Every block decomposed at the calibration step: preconditioning goes on.
-    assert all(la.block.has_second_order for la in pre._layers)
+    assert all(la.block.has_second_order for la in pre.layers)
 
 
 @pytest.mark.filterwarnings("ignore:kaisa. time_budget")

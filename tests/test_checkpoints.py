@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import kaisa
+from kaisa.checkpoint import STATE_FORMAT
 from kaisa.curvature.costs import SideSpec
 from kaisa.curvature.representations import checkpoint_shapes, make_side
-from kaisa.preconditioner import STATE_FORMAT
 
 
 class Net(nn.Module):
@@ -102,14 +102,14 @@ def everything(pre: kaisa.KFACPreconditioner) -> dict[str, Any]:
         "state": pre.state_dict(),
         "plan": pre.plan,
         "choice": pre.curvature_choice,
-        "pending": pre._choice_pending,
-        "force": pre._force_inverse_update,
-        "capture": pre._capture_this_step,
-        "blocks": [id(layer.block) for layer in pre._layers],
-        "keys": [layer.keys for layer in pre._layers],
+        "pending": pre.choice_pending,
+        "force": pre.inverse_update_due,
+        "capture": pre.capturing,
+        "blocks": [(layer.curvature, layer.block.updates) for layer in pre.layers],
+        "keys": [layer.capture_keys for layer in pre.layers],
         "second_order": [
-            [[t.clone() for t in side.state] for side in layer.block.sides.values()]
-            for layer in pre._layers
+            [[t.clone() for t in state] for state in layer.block.second_order.values()]
+            for layer in pre.layers
         ],
         "hyper": {
             name: pre.hyperparameter(name)
@@ -623,12 +623,12 @@ def test_a_refused_load_leaves_the_choice_pending(
     reference_model = copy.deepcopy(model)
     pre = kaisa.KFACPreconditioner(model, **PENDING)
     reference = kaisa.KFACPreconditioner(reference_model, **PENDING)
-    assert pre._choice_pending
+    assert pre.choice_pending
     before = everything(pre)
     with pytest.raises(error, match=message):
         pre.load_state_dict(bad)
     assert_unchanged(before, pre)
-    assert pre._choice_pending and pre.curvature_choice is None
+    assert pre.choice_pending and pre.curvature_choice is None
     got = run(model, pre, range(3))
     expected = run(reference_model, reference, range(3))
     assert pre.curvature_choice == reference.curvature_choice is not None
@@ -666,7 +666,7 @@ def test_a_mixed_preconditioner_round_trips_bit_identically() -> None:
         warnings.simplefilter("error")
         fresh.load_state_dict(state)
     assert_same(pre.state_dict(), fresh.state_dict())
-    assert not fresh._force_inverse_update
+    assert not fresh.inverse_update_due
     original = run(model, pre, range(TRAINED, TRAINED + 3))
     resumed = run(fresh_model, fresh, range(TRAINED, TRAINED + 3))
     for step_got, step_expected in zip(resumed, original, strict=True):
@@ -682,11 +682,14 @@ def test_a_checkpoint_casts_to_this_preconditioners_dtypes() -> None:
     state = saved(pre.state_dict())
     target = kaisa.KFACPreconditioner(Net(), **FIXED)
     target.load_state_dict(state)
-    for mine, theirs in zip(target._layers, pre._layers, strict=True):
+    for mine, theirs in zip(target.layers, pre.layers, strict=True):
         assert mine.block.a.dtype == torch.float32
         assert torch.equal(mine.block.a, theirs.block.a.float())
-        for side, other in zip(mine.block.sides.values(), theirs.block.sides.values(), strict=True):
-            for t, u in zip(side.state, other.state, strict=True):
+        pairs = zip(
+            mine.block.second_order.values(), theirs.block.second_order.values(), strict=True
+        )
+        for state, other in pairs:
+            for t, u in zip(state, other, strict=True):
                 assert t.dtype == torch.float32 and torch.equal(t, u.float())
 
 
@@ -804,7 +807,7 @@ def test_other_options_convert_to_a_fresh_computation(
     converted_model, converted = target()
     with pytest.warns(RuntimeWarning, match=rf"written with {named}=.*recomputed"):
         converted.load_state_dict(state)
-    assert converted._force_inverse_update
+    assert converted.inverse_update_due
     # A fresh computation from the same factors: the checkpoint as this
     # preconditioner would have written it, without second-order state.
     fresh_state = copy.deepcopy(state)
@@ -819,11 +822,11 @@ def test_other_options_convert_to_a_fresh_computation(
 
     x, y = batch(SAVE_AT, torch.float64)
     F.cross_entropy(converted_model(x), y).backward()
-    raw = [layer.handler.grad_matrix() for layer in converted._layers]
+    raw = [layer.handler.grad_matrix() for layer in converted.layers]
     converted.step()
     F.cross_entropy(fresh_model(x), y).backward()
     fresh.step()
-    for layer, other, grad in zip(converted._layers, fresh._layers, raw, strict=True):
+    for layer, other, grad in zip(converted.layers, fresh.layers, raw, strict=True):
         got = layer.handler.grad_matrix()
         assert got is not None and grad is not None
         assert torch.equal(got, other.handler.grad_matrix()), layer.name  # type: ignore[arg-type]
@@ -846,8 +849,8 @@ def test_another_factor_init_is_accepted_as_it_is() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fresh.load_state_dict(state)
-    assert not fresh._force_inverse_update
-    assert [layer.block.updates for layer in fresh._layers] == [TRAINED] * 3
+    assert not fresh.inverse_update_due
+    assert [layer.block.updates for layer in fresh.layers] == [TRAINED] * 3
     state["options"]["factor_init"] = "first_batch"
     assert_same(state, fresh.state_dict())
 
@@ -869,9 +872,9 @@ def test_a_format_1_checkpoint_loads_into_exact_layers_only() -> None:
     fresh = kaisa.KFACPreconditioner(Net(), **exact)
     fresh.load_state_dict(old)
     # Its options are not recorded: the second-order state is recomputed.
-    assert fresh._force_inverse_update
+    assert fresh.inverse_update_due
     assert fresh.steps == TRAINED
-    for mine, theirs in zip(fresh._layers, pre._layers, strict=True):
+    for mine, theirs in zip(fresh.layers, pre.layers, strict=True):
         assert torch.equal(mine.block.a, theirs.block.a) and mine.block.updates == TRAINED
     # Not into a preconditioner that leaves the curvature to the automatic choice.
     auto = kaisa.KFACPreconditioner(Net(), factor_update_steps=1, inv_update_steps=2)

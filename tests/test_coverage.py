@@ -35,7 +35,7 @@ def test_a_tied_parameter_is_left_raw_with_a_warning_naming_it() -> None:
         pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
     text = " ".join(str(w.message) for w in caught)
     assert "'embed'" in text and "'head'" in text
-    names = [layer.name for layer in pre._layers]
+    names = [layer.name for layer in pre.layers]
     assert "embed" not in names and "head" not in names
     assert "encoder.layers.0.self_attn.q" in names
     raw = {t.parameter: t.reason for t in pre.coverage().raw()}
@@ -84,21 +84,21 @@ def test_a_layer_called_twice_gathers_curvature_from_both_calls() -> None:
     shared = nn.Linear(4, 4)
     model = nn.Sequential(shared, nn.Tanh(), shared)
     pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, curvature="exact")
-    assert [layer.name for layer in pre._layers] == ["0"]
+    assert [layer.name for layer in pre.layers] == ["0"]
     model(torch.randn(6, 4)).sum().backward()
-    layer = pre._layers[0]
-    assert layer.rows[("a", "gram")] == 12 and layer.rows[("g", "gram")] == 12
+    layer = pre.layers[0]
+    assert layer.captured_rows[("a", "gram")] == 12 and layer.captured_rows[("g", "gram")] == 12
     assert not pre.coverage().raw()
 
 
 def test_conv1d_is_registered() -> None:
     model = nn.Sequential(nn.Conv1d(3, 4, 3, padding=1), nn.Flatten(), nn.Linear(4 * 9, 2))
     pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
-    assert [layer.name for layer in pre._layers] == ["0", "2"]
+    assert [layer.name for layer in pre.layers] == ["0", "2"]
     F.cross_entropy(model(torch.randn(5, 3, 9)), torch.randint(0, 2, (5,))).backward()
     raw = model[0].weight.grad.clone()
     pre.step()
-    assert pre._layers[0].block.updates == 1
+    assert pre.layers[0].block.updates == 1
     assert not torch.equal(model[0].weight.grad, raw)
 
 
@@ -106,7 +106,7 @@ def test_a_grouped_conv1d_is_skipped_with_a_warning() -> None:
     model = nn.Sequential(nn.Conv1d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(4, 2))
     with pytest.warns(UserWarning, match="groups=2"):
         pre = kaisa.KFACPreconditioner(model)
-    assert [layer.name for layer in pre._layers] == ["2"]
+    assert [layer.name for layer in pre.layers] == ["2"]
 
 
 def test_skip_layers_on_a_container_leaves_everything_inside_it_raw() -> None:
@@ -115,7 +115,7 @@ def test_skip_layers_on_a_container_leaves_everything_inside_it_raw() -> None:
     model = TiedLM()
     model.head.weight = nn.Parameter(torch.randn(11, 8))
     pre = kaisa.KFACPreconditioner(model, skip_layers=["TransformerEncoderLayer"])
-    assert [layer.name for layer in pre._layers] == ["embed", "head"]
+    assert [layer.name for layer in pre.layers] == ["embed", "head"]
     raw = {t.parameter: t.reason for t in pre.coverage().raw()}
     inside = [n for n, _ in model.named_parameters() if n.startswith("encoder.layers.0.")]
     assert inside and all(

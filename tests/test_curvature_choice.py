@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kaisa
+from kaisa.autochoice import CALIBRATION_STEPS
 from kaisa.curvature.budget import (
     MAX_FACTOR_STEPS,
     MAX_INV_STEPS,
@@ -34,7 +35,6 @@ from kaisa.curvature.budget import (
 )
 from kaisa.curvature.costs import DEFAULT_COST_MODEL, CostModel
 from kaisa.options import REFERENCE_DEFAULTS
-from kaisa.preconditioner import CALIBRATION_STEPS
 
 UNMEETABLE = "kaisa: time_budget=.* cannot be met"
 
@@ -483,7 +483,7 @@ def run(
 
 
 def specs_of(pre: kaisa.KFACPreconditioner) -> dict[str, tuple[str, str]]:
-    return {layer.name: tuple(str(s) for s in layer.block.specs) for layer in pre._layers}  # type: ignore[misc]
+    return {layer.name: tuple(str(s) for s in layer.block.specs) for layer in pre.layers}  # type: ignore[misc]
 
 
 def test_the_defaults() -> None:
@@ -525,7 +525,7 @@ def test_an_unmeetable_budget_warns_once_and_takes_the_cheapest() -> None:
     assert pre.hyperparameter("inv_update_steps") == MAX_INV_STEPS
     assert pre.hyperparameter("factor_decay") == pytest.approx(1 - MAX_FACTOR_STEPS / 200)
     # Steps 0 and MAX_FACTOR_STEPS, and the calibration's capture at CALIBRATION_STEPS.
-    assert [layer.block.updates for layer in pre._layers] == [3, 3]
+    assert [layer.block.updates for layer in pre.layers] == [3, 3]
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -589,7 +589,7 @@ def test_fixed_intervals_are_kept_and_the_decay_follows_them(
     # Factor updates at the multiples of the interval among steps 0..10, and at
     # the calibration (step 10).
     expected_updates = len({*range(0, 11, factor_update_steps), CALIBRATION_STEPS})
-    assert [layer.block.updates for layer in pre._layers] == [expected_updates] * 2
+    assert [layer.block.updates for layer in pre.layers] == [expected_updates] * 2
 
 
 def test_a_chosen_interval_sets_the_decay() -> None:
@@ -723,7 +723,7 @@ def test_with_reference_defaults_restores_the_published_semantics() -> None:
         ("kl_clip", 0.001),
     ):
         assert pre.hyperparameter(name) == value, name
-    assert [layer.block.updates for layer in pre._layers] == [3, 3]
+    assert [layer.block.updates for layer in pre.layers] == [3, 3]
     # Given arguments win; the table itself is left alone.
     other = kaisa.KFACPreconditioner.with_reference_defaults(
         MLP(), damping=0.5, curvature="kvec", factor_init="first_batch"

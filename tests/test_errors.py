@@ -112,7 +112,7 @@ def test_good_values_are_accepted() -> None:
         factor_dtype=torch.float64,
         inv_dtype=None,
     )
-    assert [layer.name for layer in pre._layers] == ["2"]
+    assert [layer.name for layer in pre.layers] == ["2"]
     assert pre.inv_dtype == torch.float64
 
 

@@ -29,9 +29,17 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kaisa"
 #: ``__init__``); a top-level module not named here is a front-door room
 #: (:data:`FRONT_DOOR_ROOMS`).
 LEVELS: list[tuple[str, ...]] = [
-    # Leaves: choice vocabularies, argument checks, lazy attribute loading,
-    # hyperparameter schedules, phase timers and traffic counters; torch at most.
-    ("kaisa.choices", "kaisa.validation", "kaisa._lazy", "kaisa.schedules", "kaisa.telemetry"),
+    # Leaves: choice vocabularies, argument checks, warnings at the user's line,
+    # lazy attribute loading, hyperparameter schedules, phase timers and traffic
+    # counters; torch at most.
+    (
+        "kaisa.choices",
+        "kaisa.validation",
+        "kaisa.warn",
+        "kaisa._lazy",
+        "kaisa.schedules",
+        "kaisa.telemetry",
+    ),
     # Plain tensor maths of one Kronecker block and its costs.
     ("kaisa.curvature",),
     # Where work and traffic go: plans and collectives over shapes, not module types.
@@ -41,8 +49,13 @@ LEVELS: list[tuple[str, ...]] = [
     ("kaisa.engines",),
     # Layer handlers: capture of factor rows and gradient matrices per module family.
     ("kaisa.layers",),
-    # Rooms of the front door: its options, and any other top-level module.
-    ("kaisa.options",),
+    # Rooms of the front door: its options, the read-only views of its layers.
+    ("kaisa.options", "kaisa.views"),
+    # The capture bookkeeping of an iteration (the hooks' side).
+    ("kaisa.capture",),
+    # The automatic choice over a run, then the checkpoint schema (which reads it).
+    ("kaisa.autochoice",),
+    ("kaisa.checkpoint",),
     # The front door, and the package that re-exports it.
     ("kaisa.preconditioner", "kaisa"),
     # Wrappers that build the front door inside a training framework.
@@ -239,4 +252,4 @@ def test_the_graph_reader() -> None:
     assert imports_of("kaisa.a", "from .b import x\n", modules, package=True) == {"kaisa.a.b"}
     assert cycles({"x": {"y"}, "y": {"z"}, "z": {"x"}, "w": {"x"}}) == [["x", "y", "z"]]
     assert level_of("kaisa") == level_of("kaisa.preconditioner")
-    assert level_of("kaisa.capture") == FRONT_DOOR_ROOMS
+    assert level_of("kaisa.unnamed_room") == FRONT_DOOR_ROOMS

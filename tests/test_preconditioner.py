@@ -143,7 +143,7 @@ def test_relative_damping_and_first_batch_init_match_dense_kfac(outer: bool) -> 
         factor_init="first_batch",
     )
     assert_step_matches(model, pre, x, y, expected)
-    assert [layer.block.updates for layer in pre._layers] == [1, 1]
+    assert [layer.block.updates for layer in pre.layers] == [1, 1]
 
 
 def test_inverse_method_step_and_kl_clip_off() -> None:
@@ -156,7 +156,7 @@ def test_inverse_method_step_and_kl_clip_off() -> None:
     loss_fn(model, x, y).backward()
     raw = model[2].weight.grad.clone()
     pre.step()
-    block = pre._layers[1].block
+    block = pre.layers[1].block
     eye_a, eye_g = torch.eye(7, dtype=D), torch.eye(3, dtype=D)
     expected = (
         torch.linalg.inv(block.g + 0.1 * eye_g) @ raw @ torch.linalg.inv(block.a + 0.1 * eye_a)
@@ -178,7 +178,7 @@ def test_layers_found_and_left_alone() -> None:
 
     with pytest.warns(UserWarning, match="grouped"):
         pre = kaisa.KFACPreconditioner(Net(), skip_layers=["skipped"])
-    assert [layer.name for layer in pre._layers] == ["head"]
+    assert [layer.name for layer in pre.layers] == ["head"]
     with pytest.raises(ValueError, match="no layer"):
         kaisa.KFACPreconditioner(nn.Sequential(nn.Linear(2, 2)), skip_layers="Linear$")
 

@@ -134,8 +134,8 @@ def test_a_compiled_model_is_preconditioned_and_the_timers_break_no_graph() -> N
     reasons = "\n".join(counters["graph_break"])
     for timer_trace in ("perf_counter", "telemetry", "generator", "ContextWrapping"):
         assert timer_trace not in reasons
-    assert [layer.block.updates for layer in compiled_pre._layers] == [2, 2]
-    for mine, theirs in zip(compiled_pre._layers, eager._layers, strict=True):
+    assert [layer.block.updates for layer in compiled_pre.layers] == [2, 2]
+    for mine, theirs in zip(compiled_pre.layers, eager.layers, strict=True):
         torch.testing.assert_close(mine.block.a, theirs.block.a)
         torch.testing.assert_close(mine.block.g, theirs.block.g)
     for g, e in zip(got, expected, strict=True):

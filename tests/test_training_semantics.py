@@ -45,7 +45,7 @@ def test_accumulation_equals_one_big_batch() -> None:
     for xs, ys in zip(x.chunk(3), y.chunk(3), strict=True):
         (F.cross_entropy(model(xs), ys) / 3).backward()
     pre.step()
-    for a, b in zip(pre._layers, pre_big._layers, strict=True):
+    for a, b in zip(pre.layers, pre_big.layers, strict=True):
         torch.testing.assert_close(a.block.a, b.block.a, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(a.block.g, b.block.g, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(model.fc.weight.grad, big.fc.weight.grad, rtol=1e-9, atol=1e-12)
@@ -82,7 +82,7 @@ def test_schedules_are_read_at_the_step() -> None:
         F.cross_entropy(model(x), y).backward()
         assert pre.hyperparameter("damping") == damping(step)
         pre.step()
-        history.append(pre._layers[0].block.a.clone())
+        history.append(pre.layers[0].block.a.clone())
     assert set(seen["damping"]) == set(range(5))
     assert set(seen["lr"]) == set(range(5))
     # Factors change at steps 0, 1 (interval 1) and 3 (interval 3), not at 2 or 4.
@@ -200,7 +200,7 @@ def test_grad_scaler_unscales_captured_gradients() -> None:
     for p in scaled.parameters():  # what GradScaler.unscale_ does before step()
         p.grad.div_(scale)
     pre_s.step()
-    for a, b in zip(pre._layers, pre_s._layers, strict=True):
+    for a, b in zip(pre.layers, pre_s.layers, strict=True):
         torch.testing.assert_close(a.block.g, b.block.g, rtol=1e-12, atol=1e-16)
     torch.testing.assert_close(model.fc.weight.grad, scaled.fc.weight.grad)
 
@@ -224,7 +224,7 @@ def test_a_huge_finite_loss_scale_leaves_g_as_without_scaling(exponent: int) -> 
         p.grad.div_(scale)
     pre_s.step()
     assert pre_s.telemetry.skipped_factor_updates == 0
-    for a, b in zip(pre._layers, pre_s._layers, strict=True):
+    for a, b in zip(pre.layers, pre_s.layers, strict=True):
         assert b.block.g.abs().sum() > 0
         torch.testing.assert_close(a.block.g, b.block.g, rtol=1e-5, atol=1e-12)
 
@@ -286,20 +286,20 @@ def test_overflow_step_does_not_reach_factors() -> None:
     x, y = data()
     F.cross_entropy(model(x), y).backward()
     pre.step()
-    a_before = [layer.block.a.clone() for layer in pre._layers]
-    g_before = [layer.block.g.clone() for layer in pre._layers]
+    a_before = [layer.block.a.clone() for layer in pre.layers]
+    g_before = [layer.block.g.clone() for layer in pre.layers]
     model.zero_grad()
     F.cross_entropy(model(x), y).backward()
     model.fc.weight.grad[0, 0] = float("inf")  # what an AMP overflow leaves behind
     pre.step()
     assert pre.telemetry.skipped_factor_updates == 1
-    for layer, a, g in zip(pre._layers, a_before, g_before, strict=True):
+    for layer, a, g in zip(pre.layers, a_before, g_before, strict=True):
         assert torch.equal(layer.block.a, a) and torch.equal(layer.block.g, g)
     # The next finite step proceeds normally.
     model.zero_grad()
     F.cross_entropy(model(x), y).backward()
     pre.step()
-    assert not torch.equal(pre._layers[0].block.a, a_before[0])
+    assert not torch.equal(pre.layers[0].block.a, a_before[0])
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -311,7 +311,7 @@ def test_large_finite_factors_are_not_mistaken_for_overflow() -> None:
     x = torch.full((4, 8), 4e18)
     F.cross_entropy(model(x), torch.zeros(4, dtype=torch.long)).backward()
     pre.step()
-    a = pre._layers[0].block.a
+    a = pre.layers[0].block.a
     assert torch.isfinite(a).all() and not torch.isfinite(a.sum())
     assert pre.telemetry.skipped_factor_updates == 0
     torch.testing.assert_close(a[0, 0], torch.tensor(1.6e37), rtol=1e-5, atol=0.0)
@@ -323,7 +323,7 @@ def test_layer_with_all_zero_inputs_is_not_folded() -> None:
     pre = kaisa.KFACPreconditioner.with_reference_defaults(model, factor_decay=0.0)
     F.cross_entropy(model(torch.zeros(5, 4)), torch.zeros(5, dtype=torch.long)).backward()
     pre.step()
-    block = pre._layers[0].block
+    block = pre.layers[0].block
     assert block.updates == 0
     assert torch.equal(block.a, torch.eye(4)) and torch.equal(block.g, torch.eye(3))
 
@@ -341,7 +341,7 @@ def test_nan_input_leaves_factors_and_state_intact() -> None:
     x_bad[0, 0, 0, 0] = float("nan")
     F.cross_entropy(model(x_bad), y).backward()
     pre.step()
-    for layer in pre._layers:
+    for layer in pre.layers:
         saved = state["layers"][layer.name]
         assert torch.equal(layer.block.a, saved["a"]) and torch.equal(layer.block.g, saved["g"])
 
@@ -377,7 +377,7 @@ def test_a_layer_used_outside_its_module_call_is_reported_and_left_raw() -> None
                 pre.step()
         assert torch.equal(model.inner.weight.grad, raw_inner)
         assert not torch.equal(model.head.weight.grad, raw_head)
-    inner = next(layer for layer in pre._layers if layer.name == "inner")
+    inner = next(layer for layer in pre.layers if layer.name == "inner")
     assert inner.dormant and not inner.block.has_second_order
     treatments = {t.parameter: t for t in pre.coverage()}
     assert treatments["inner.weight"].kind == "raw"
@@ -388,6 +388,7 @@ def test_a_layer_used_outside_its_module_call_is_reported_and_left_raw() -> None
     F.cross_entropy(model(x), y).backward()
     raw_inner = model.inner.weight.grad.clone()
     pre.step()
+    inner = next(layer for layer in pre.layers if layer.name == "inner")
     assert not inner.dormant
     assert not torch.equal(model.inner.weight.grad, raw_inner)
 
@@ -484,7 +485,7 @@ def factors_of_one_pass(
     pre = kaisa.KFACPreconditioner(model, factor_decay=0.0, curvature="exact", inv_dtype=D)
     F.cross_entropy(model(x), y).backward()
     pre.step()
-    return [(layer.block.a.clone(), layer.block.g.clone()) for layer in pre._layers]
+    return [(layer.block.a.clone(), layer.block.g.clone()) for layer in pre.layers]
 
 
 def test_a_forward_without_backward_leaves_no_trace_in_the_factors() -> None:
@@ -497,7 +498,7 @@ def test_a_forward_without_backward_leaves_no_trace_in_the_factors() -> None:
     F.cross_entropy(model(x), y).backward()
     with pytest.warns(RuntimeWarning, match="without a backward pass"):
         pre.step()
-    for layer, (a, g) in zip(pre._layers, expected, strict=True):
+    for layer, (a, g) in zip(pre.layers, expected, strict=True):
         torch.testing.assert_close(layer.block.a, a)
         torch.testing.assert_close(layer.block.g, g)
 
@@ -512,13 +513,13 @@ def test_passes_beyond_accumulation_steps_are_refused(in_hook: bool) -> None:
     F.cross_entropy(model(x), y).backward()
     F.cross_entropy(model(x), y).backward()
     grads = [p.grad.clone() for p in model.parameters()]
-    factors = [layer.block.a.clone() for layer in pre._layers]
+    factors = [layer.block.a.clone() for layer in pre.layers]
     with pytest.raises(RuntimeError, match=r"accumulation_steps=1 \(1 more\)"):
         pre.step()
     # Refused before anything changed.
     assert pre.steps == 0
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
-    assert all(torch.equal(a, la.block.a) for a, la in zip(factors, pre._layers, strict=True))
+    assert all(torch.equal(a, la.block.a) for a, la in zip(factors, pre.layers, strict=True))
 
 
 def test_fewer_passes_than_accumulation_steps_warn() -> None:
@@ -530,7 +531,7 @@ def test_fewer_passes_than_accumulation_steps_warn() -> None:
         RuntimeWarning, match=r"1 forward/backward pass\(es\) .* accumulation_steps=3"
     ):
         pre.step()
-    assert all(layer.block.updates == 1 for layer in pre._layers)
+    assert all(layer.block.updates == 1 for layer in pre.layers)
 
 
 def test_a_deep_copy_of_the_model_does_not_capture_into_the_preconditioner() -> None:
@@ -540,7 +541,7 @@ def test_a_deep_copy_of_the_model_does_not_capture_into_the_preconditioner() -> 
     x, y = data()
     F.cross_entropy(twin(x.float()), y).backward()
     assert pre.memory_usage()["captures"] == 0
-    assert all(layer.micro_batches == 0 for layer in pre._layers)
+    assert all(layer.micro_batches == 0 for layer in pre.layers)
 
 
 def test_an_outlier_batch_is_not_folded_and_a_lasting_scale_is_taken_in() -> None:
@@ -561,7 +562,7 @@ def test_an_outlier_batch_is_not_folded_and_a_lasting_scale_is_taken_in() -> Non
 
     for seed in range(3):
         step(1.0, seed)
-    conv = pre._layers[0].block
+    conv = pre.layers[0].block
     clean = conv.a.diagonal().sum().item()
     with pytest.warns(RuntimeWarning, match="outlier batch"):
         step(1e6, 10)  # one batch of inputs x 1e6
@@ -577,7 +578,7 @@ def test_an_outlier_batch_is_not_folded_and_a_lasting_scale_is_taken_in() -> Non
     assert conv.a.diagonal().sum().item() > 1e3 * clean
     assert conv.outliers == 0
     state = pre.state_dict()
-    assert state["layers"][pre._layers[0].name]["outliers"] == 0
+    assert state["layers"][pre.layers[0].name]["outliers"] == 0
 
 
 def test_a_forgotten_unscale_is_reported_once() -> None:

@@ -12,7 +12,6 @@ receives it is decided elsewhere.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -41,6 +40,7 @@ from kaisa.curvature.representations import (
 # imports it here.
 from kaisa.validation import check_count as check_count
 from kaisa.validation import check_tensor
+from kaisa.warn import warn
 
 Factor = Literal["a", "g"]
 
@@ -232,21 +232,18 @@ class KroneckerBlock:
         self.allocate_second_order()
         return self.sides[which].state_tensors()
 
-    def decompose(self, which: Factor, damping: float, stacklevel: int = 2) -> bool:
+    def decompose(self, which: Factor, damping: float) -> bool:
         """Refresh one side's second-order state; ``False`` (state kept) on failure.
 
-        A failure is warned about; ``stacklevel`` is the warning's, counted
-        from this method (the caller passes the depth of the user's line).
+        A failure is warned about, at the user's line.
         """
         self.allocate_second_order()
         try:
             self.sides[which].refresh(damping)
         except DecompositionError as error:
-            warnings.warn(
+            warn(
                 f"kaisa: layer {self.name!r}: factor {which.upper()} could not be decomposed "
                 f"({error}); keeping its previous second-order state",
-                RuntimeWarning,
-                stacklevel=stacklevel,
             )
             return False
         return True

@@ -40,15 +40,32 @@ PayloadKey = tuple[str, Capture]
 Payload = dict[PayloadKey, tuple[torch.Tensor, float]]
 
 
-def plan_layout(plan: WorkPlan) -> dict[str, tuple[tuple[PayloadKey, int], ...]]:
-    """Each layer's payload pieces and sides, from the representations the plan records."""
+def payload_layout(
+    keys: Mapping[str, Sequence[PayloadKey]], plan: WorkPlan
+) -> dict[str, tuple[tuple[PayloadKey, int], ...]]:
+    """Each layer's payload pieces ``((side, capture), n)``: what it captures, with its sides.
+
+    ``keys``: per layer of the plan, the pieces it captures, in a fixed order
+    (the same on every rank); the sides come from the plan.
+    """
     return {
-        la.name: (
-            (("a", SideSpec.parse(la.a_spec).capture), la.a_size),
-            (("g", SideSpec.parse(la.g_spec).capture), la.g_size),
-        )
+        la.name: tuple((key, la.a_size if key[0] == "a" else la.g_size) for key in keys[la.name])
         for la in plan.layers
     }
+
+
+def plan_layout(plan: WorkPlan) -> dict[str, tuple[tuple[PayloadKey, int], ...]]:
+    """The payload of each layer held as the plan records: one piece per side."""
+    return payload_layout(
+        {
+            la.name: (
+                ("a", SideSpec.parse(la.a_spec).capture),
+                ("g", SideSpec.parse(la.g_spec).capture),
+            )
+            for la in plan.layers
+        },
+        plan,
+    )
 
 
 def data_parallel_group(group: object) -> dist.ProcessGroup | None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -251,3 +252,26 @@ def find_layers(
     for message in result.warnings:
         warnings.warn(message, stacklevel=3)
     return result.layers
+
+
+def coverage_of(
+    treatments: Sequence[Treatment], blocks: Mapping[str, tuple[bool, str]]
+) -> Coverage:
+    """The coverage table now: each block's ``(dormant, 'A/G' representations)`` filled in.
+
+    A preconditioned parameter names its blocks' representations; one whose
+    block captured nothing (dormant) is shown raw, naming that block.
+    """
+    entries = []
+    for t in treatments:
+        if t.kind != "raw":
+            dormant = [b for b in t.blocks if blocks[b][0]]
+            if dormant:
+                t = dataclasses.replace(
+                    t, kind="raw", reason=f"{dormant[0]} captured nothing (see the warning)"
+                )
+            else:
+                reps = sorted({blocks[b][1] for b in t.blocks})
+                t = dataclasses.replace(t, kind=f"{t.kind} (A/G {', '.join(reps)})")
+        entries.append(t)
+    return Coverage(tuple(entries))

@@ -22,7 +22,7 @@ def _passes(rank: int, world_size: int, passes: int) -> str:
         pre.step()
     except RuntimeError as error:
         return f"refused: {error}"
-    return f"stepped, updates {[layer.block.updates for layer in pre._layers]}"
+    return f"stepped, updates {[layer.block.updates for layer in pre.layers]}"
 
 
 def test_passes_beyond_accumulation_steps_are_refused_on_every_rank() -> None:

@@ -69,7 +69,7 @@ def _train(rank: int, world_size: int, fraction: str) -> dict[str, object]:
         "before": before,
         "choices": choices,
         "plan": preconditioner.plan,
-        "specs": [tuple(str(s) for s in layer.block.specs) for layer in preconditioner._layers],
+        "specs": [tuple(str(s) for s in layer.block.specs) for layer in preconditioner.layers],
         "intervals": (
             preconditioner.hyperparameter("factor_update_steps"),
             preconditioner.hyperparameter("inv_update_steps"),
@@ -131,7 +131,7 @@ def test_every_rank_makes_the_budgets_choice() -> None:
 def _calibrate(rank: int, world_size: int) -> dict[str, object]:
     import time
 
-    from kaisa.preconditioner import CALIBRATION_STEPS
+    from kaisa.autochoice import CALIBRATION_STEPS
 
     class Clock:
         now = 100.0

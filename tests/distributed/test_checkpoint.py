@@ -73,7 +73,7 @@ def _train(rank: int, world_size: int, fraction: float, mode: str) -> dict[str, 
     model, preconditioner, optimizer = _build(fraction, inv_update_steps)
     for step in range(STEPS):
         if extra_update and step == RESUME_AT:
-            preconditioner._force_inverse_update = True
+            preconditioner.request_inverse_update()
         if step == RESUME_AT and mode in ("own", "rank0"):
             state = [preconditioner.state_dict(), model.state_dict()]
             if mode == "rank0":

@@ -129,14 +129,14 @@ def _train(kind: str, rank: int, wrap: str, fraction: str, kaisa_on: bool = True
         optimizer.step()
     factors = []
     if pre is not None:
-        for layer in pre._layers:
+        for layer in pre.layers:
             state = layer.block.state_dict()
             factors += [state["a"], state["g"]]
     return {
         "weights": [_full(p) for p in model.parameters()],
         "factors": factors,
         "kl_scales": scales,
-        "layers": None if pre is None else len(pre._layers),
+        "layers": None if pre is None else len(pre.layers),
     }
 
 

@@ -207,14 +207,14 @@ def test_attention_takes_the_steps_of_four_linear_layers(name: str) -> None:
     )
     pre = kaisa.KFACPreconditioner(net, **options)
     pre_ref = kaisa.KFACPreconditioner(ref, skip_layers=["mha_like"], **options)
-    names = [layer.name for layer in pre._layers]
+    names = [layer.name for layer in pre.layers]
     assert [n for n in names if n.startswith("attention")] == [
         "attention.q",
         "attention.k",
         "attention.v",
         "attention.out_proj",
     ]
-    assert len(pre_ref._layers) == len(pre._layers)
+    assert len(pre_ref.layers) == len(pre.layers)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
     batch_first = case.get("batch_first", True)
@@ -226,7 +226,7 @@ def test_attention_takes_the_steps_of_four_linear_layers(name: str) -> None:
             p.step()
             o.step()
         if step == 0:
-            for layer in pre._layers:
+            for layer in pre.layers:
                 assert layer.block.updates == 1, layer.name
     state = dict(net.named_parameters())
     for key, expected in mha_params(ref).items():
@@ -278,10 +278,10 @@ def test_transformer_encoder_training_captures_every_projection() -> None:
     padding = torch.zeros(N, L_Q, dtype=torch.bool)
     padding[0, -2:] = True
     model(x, src_key_padding_mask=padding).sum().backward()
-    assert all(layer.micro_batches == 1 for layer in pre._layers)
-    assert len(pre._layers) == 2 * 6  # q, k, v, out_proj, linear1, linear2 per layer
+    assert all(layer.micro_batches == 1 for layer in pre.layers)
+    assert len(pre.layers) == 2 * 6  # q, k, v, out_proj, linear1, linear2 per layer
     pre.step()
-    assert all(layer.block.updates == 1 and not layer.dormant for layer in pre._layers)
+    assert all(layer.block.updates == 1 and not layer.dormant for layer in pre.layers)
 
 
 def test_evaluation_and_its_fast_paths_capture_nothing() -> None:
@@ -295,7 +295,7 @@ def test_evaluation_and_its_fast_paths_capture_nothing() -> None:
         expected = model(x, src_key_padding_mask=padding)
     model(x, src_key_padding_mask=padding)  # grad enabled, eval mode
     assert pre.memory_usage()["captures"] == 0
-    assert all(layer.pending == 0 for layer in pre._layers)
+    assert all(layer.pending_passes == 0 for layer in pre.layers)
     pre.remove_hooks()
     with torch.no_grad():
         torch.testing.assert_close(model(x, src_key_padding_mask=padding), expected)

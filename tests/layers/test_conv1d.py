@@ -405,7 +405,7 @@ def test_preconditioner_factors_once_registered(monkeypatch: pytest.MonkeyPatch)
     pre = kaisa.KFACPreconditioner.with_reference_defaults(
         conv, factor_decay=0.0, inv_dtype=torch.float64, kl_clip=None
     )
-    assert len(pre._layers) == 1 and isinstance(pre._layers[0].handler, Conv1dHandler)
+    assert len(pre.layers) == 1 and isinstance(pre.layers[0].handler, Conv1dHandler)
     y = conv(x)
     y.retain_grad()
     (y**2).sum().div(N).backward()
@@ -414,7 +414,7 @@ def test_preconditioner_factors_once_registered(monkeypatch: pytest.MonkeyPatch)
     positions = y.shape[-1]
     a_bar = with_ones(naive_patches(conv, x), True) / positions
     d_bar = delta_rows(y.grad) / positions
-    block = pre._layers[0].block
+    block = pre.layers[0].block
     rows = N * positions
     torch.testing.assert_close(block.a, a_bar.T @ a_bar / rows, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(block.g, d_bar.T @ d_bar / rows, rtol=1e-12, atol=1e-12)

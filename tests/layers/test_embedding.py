@@ -100,7 +100,7 @@ def test_embedding_takes_the_steps_of_a_one_hot_linear_with_diagonal_a(g_side: s
             F.cross_entropy(model(idx), y).backward()
             p.step()
             o.step()
-    assert [str(s) for s in pre._layers[0].block.specs] == ["diagonal", g_side]
+    assert [str(s) for s in pre.layers[0].block.specs] == ["diagonal", g_side]
     torch.testing.assert_close(net.emb.weight, ref.lin.weight.t(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(net.head.weight, ref.head.weight, rtol=1e-10, atol=1e-12)
 
@@ -109,7 +109,7 @@ def test_the_automatic_choice_keeps_the_embedding_a_diagonal_and_never_forms_its
     torch.manual_seed(0)
     net = EmbedNet()
     pre = kaisa.KFACPreconditioner(net)
-    assert pre._layers[0].keys[0] == ("a", "moments")  # no VOCAB² gram while pending
+    assert pre.layers[0].capture_keys[0] == ("a", "moments")  # no VOCAB² gram while pending
     F.cross_entropy(net(tokens(3)), torch.randint(0, 2, (4,))).backward()
     pre.step()
     assert pre.curvature_choice is not None
@@ -139,6 +139,6 @@ def test_a_sparse_embedding_is_left_raw_with_a_warning() -> None:
     net.emb = nn.Embedding(VOCAB, DIM, sparse=True)
     with pytest.warns(UserWarning, match=r"'emb' \(Embedding\(7, 3, sparse=True\)\): sparse"):
         pre = kaisa.KFACPreconditioner(net)
-    assert [layer.name for layer in pre._layers] == ["head"]
+    assert [layer.name for layer in pre.layers] == ["head"]
     raw = {t.parameter: t.reason for t in pre.coverage().raw()}
     assert "sparse" in raw["emb.weight"]

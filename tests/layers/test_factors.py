@@ -141,13 +141,13 @@ def test_conv_patch_slicing_matches_whole_batch() -> None:
     pre = kaisa.KFACPreconditioner.with_reference_defaults(
         sliced_conv, factor_decay=0.0, kl_clip=None
     )
-    handler = pre._layers[0].handler
+    handler = pre.layers[0].handler
     assert isinstance(handler, kaisa.layers.Conv2dHandler)
     handler.max_patch_bytes = 1  # one sample per slice
     out = sliced_conv(x)
     (out**2).sum().div(5).backward()
     pre.step()
-    torch.testing.assert_close(pre._layers[0].block.a, whole.block.a, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(pre.layers[0].block.a, whole.block.a, rtol=1e-12, atol=1e-12)
 
 
 def test_weight_sharing_uses_rows_of_every_call() -> None:
@@ -170,9 +170,9 @@ def test_weight_sharing_uses_rows_of_every_call() -> None:
     rows_x = torch.cat([torch.cat([i, torch.ones(6, 1, dtype=torch.float64)], 1) for i in inputs])
     rows_d = torch.cat(deltas)
     pre = capture(model, x)
-    assert len(pre._layers) == 1
-    torch.testing.assert_close(pre._layers[0].block.a, rows_x.T @ rows_x / 12)
-    torch.testing.assert_close(pre._layers[0].block.g, rows_d.T @ rows_d / 12)
+    assert len(pre.layers) == 1
+    torch.testing.assert_close(pre.layers[0].block.a, rows_x.T @ rows_x / 12)
+    torch.testing.assert_close(pre.layers[0].block.g, rows_d.T @ rows_d / 12)
 
 
 def test_inplace_activation_after_layer_sees_pre_activation_gradient() -> None:
@@ -181,7 +181,7 @@ def test_inplace_activation_after_layer_sees_pre_activation_gradient() -> None:
     x = torch.randn(8, 4, dtype=torch.float64)
     (delta,) = output_grads(layer, model, x)
     pre = capture(model, x)
-    torch.testing.assert_close(pre._layers[0].block.g, delta.T @ delta / 8)
+    torch.testing.assert_close(pre.layers[0].block.g, delta.T @ delta / 8)
 
 
 @pytest.mark.parametrize(

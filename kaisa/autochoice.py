@@ -1,0 +1,301 @@
+"""The automatic curvature choice over a run: when it is made, from what, and its calibration.
+
+:func:`kaisa.curvature.budget.choose_curvature` is the rule (a pure function
+of shapes, rows and options). :class:`AutoChoice` is its state over a run:
+
+1. until the first factor-update step that captures rows, the choice is
+   *pending*: sides left to it are held exact and capture everything (a
+   gram and the moments), so that any representation can start from them;
+2. on that step the front door calls :meth:`AutoChoice.choose` with the
+   all-reduced rows (equal on every rank) and installs the result;
+3. with ``calibrate_budget``, :data:`CALIBRATION_STEPS` steps later the choice
+   reopens once: the passes timed since (:meth:`pass_started`,
+   :meth:`pass_ended`) and one factor update's captures scale the budget's
+   allowance (:func:`kaisa.curvature.budget.time_scale`), and the choice is
+   made again.
+
+It knows nothing of hooks, blocks or ranks beyond the maxima it asks the
+communicator for.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from kaisa.capture import ALL_KEYS
+from kaisa.curvature.budget import (
+    MIN_FACTOR_STEPS,
+    MIN_INV_STEPS,
+    BudgetChoice,
+    LayerWork,
+    choose_curvature,
+    time_scale,
+)
+from kaisa.curvature.costs import SideSpec
+from kaisa.distributed.comm import Communicator, PayloadKey
+from kaisa.layers import LayerHandler
+from kaisa.options import KFACOptions, StepHyper
+from kaisa.telemetry import Telemetry
+from kaisa.warn import warn
+
+__all__ = ["CALIBRATION_STEPS", "AutoChoice", "FixedSides"]
+
+log = logging.getLogger("kaisa")
+
+#: Steps between the first automatic choice and its clock calibration
+#: (``calibrate_budget``): their forward and backward passes are timed.
+CALIBRATION_STEPS = 10
+
+#: A layer's ``(A, G)`` representations fixed by the user or the layer kind (``None``: automatic).
+FixedSides = tuple[str | None, str | None]
+#: The all-reduced payloads of a factor-update step: per layer, per key, the sum and its rows.
+Reduced = Mapping[str, Mapping[PayloadKey, tuple[torch.Tensor, float]]]
+
+
+class AutoChoice:
+    """The automatic choice's state: pending or made, and its clock calibration.
+
+    Args:
+        fixed: every registered layer's fixed sides, in registration order.
+        auto_options: the options left to kaisa (``KFACOptions.auto``).
+        time_budget, calibrate_budget, compute_method: the options of that name.
+        telemetry: whose capture timers the calibration reads.
+        device: the device whose queue is waited for around a timed pass.
+    """
+
+    def __init__(
+        self,
+        fixed: Mapping[str, FixedSides],
+        auto_options: frozenset[str],
+        *,
+        time_budget: float,
+        calibrate_budget: bool,
+        compute_method: str,
+        telemetry: Telemetry,
+        device: torch.device,
+    ) -> None:
+        self.fixed = dict(fixed)
+        self.auto_options = auto_options
+        self.time_budget = time_budget
+        self.calibrate_budget = calibrate_budget
+        self.compute_method = compute_method
+        self.telemetry = telemetry
+        self.device = device
+        #: The choice made (``None`` before it, or when nothing was left to it).
+        self.choice: BudgetChoice | None = None
+        # The decay alone needs no rows: it follows the (fixed) factor interval.
+        self.pending = bool(auto_options - {"factor_decay"}) or any(
+            side is None for sides in self.fixed.values() for side in sides
+        )
+        # The clock calibration: the step that reopens the choice (None: none to
+        # come), whether the next choice is the calibrated one, and the timed passes.
+        self.calibrate_at: int | None = None
+        self.calibrating = False
+        self._pass_start: float | None = None
+        self._pass_seconds: list[float] = []
+        self._pass_mark = 0.0
+        self._capture_mark = 0.0
+
+    @classmethod
+    def for_layers(
+        cls,
+        layers: Sequence[tuple[str, LayerHandler]],
+        options: KFACOptions,
+        telemetry: Telemetry,
+        device: torch.device,
+    ) -> AutoChoice:
+        """The choice for these layers and options: a side the user fixes wins, else the
+        layer kind's own (an embedding's diagonal ``A``), else it is left to the choice."""
+        fixed: dict[str, FixedSides] = {}
+        for name, handler in layers:
+            user_a, user_g = options.fixed_sides(name)
+            kind_a, kind_g = handler.default_sides
+            fixed[name] = (user_a or kind_a, user_g or kind_g)
+        return cls(
+            fixed,
+            options.auto,
+            time_budget=options.time_budget,
+            calibrate_budget=options.calibrate_budget,
+            compute_method=options.compute_method,
+            telemetry=telemetry,
+            device=device,
+        )
+
+    # -- what the rest of the preconditioner reads ----------------------------------
+    def provisional(self, name: str) -> tuple[str, str]:
+        """A layer's representations until the choice: its fixed sides, else exact."""
+        a, g = self.fixed[name]
+        return a or "exact", g or "exact"
+
+    @property
+    def intervals(self) -> tuple[int, int] | None:
+        """The chosen ``(factor, inverse)`` intervals; ``None`` while the first choice is pending.
+
+        With nothing left to the choice but ``factor_decay``, the decay follows
+        the fixed factor interval from the start (the placeholders returned
+        then stand for intervals the user fixed and are never read).
+        """
+        if self.choice is not None:
+            return self.choice.factor_update_steps, self.choice.inv_update_steps
+        return None if self.pending else (MIN_FACTOR_STEPS, MIN_INV_STEPS)
+
+    def keys(self, name: str, specs: Sequence[SideSpec]) -> tuple[PayloadKey, ...]:
+        """What a layer captures: both captures of an automatic side while pending, else its own."""
+        if not self.pending:
+            return (("a", specs[0].capture), ("g", specs[1].capture))
+        keys: list[PayloadKey] = []
+        for which, fixed in zip(("a", "g"), self.fixed[name], strict=True):
+            if fixed is None:
+                keys += [key for key in ALL_KEYS if key[0] == which]
+            else:
+                keys.append((which, SideSpec.parse(fixed).capture))
+        return tuple(keys)
+
+    # -- the clock calibration ----------------------------------------------------------
+    def pass_started(self) -> None:
+        """A training forward of the whole model begins (timed while a calibration is due)."""
+        if self.calibrate_at is not None and self._pass_start is None:
+            self._sync_clock()
+            self._pass_mark = self._captured_seconds()
+            self._pass_start = time.perf_counter()
+
+    def pass_ended(self) -> None:
+        """``step()`` begins: the timed passes end, without the captures kaisa ran in them."""
+        if self._pass_start is None:
+            return
+        self._sync_clock()
+        captured = self._captured_seconds() - self._pass_mark
+        self._pass_seconds.append(time.perf_counter() - self._pass_start - captured)
+        self._pass_start = None
+
+    def reopen_due(self, steps: int) -> bool:
+        """Whether the calibration is due after ``steps`` completed steps."""
+        return self.calibrate_at is not None and steps >= self.calibrate_at
+
+    def reopen(self) -> None:
+        """Capture everything once more, and choose again with the clock's scale."""
+        self.calibrate_at = None
+        self.calibrating = True
+        self.pending = True
+        self._capture_mark = self._captured_seconds()
+
+    def restored(self, steps: int) -> None:
+        """A checkpoint set the step count: an uncalibrated choice measures from here."""
+        if self.calibrate_at is not None:
+            self.calibrate_at = steps + CALIBRATION_STEPS
+
+    def _captured_seconds(self) -> float:
+        phases = self.telemetry.phase_seconds
+        return phases.get("capture", 0.0) + phases.get("factor_products", 0.0)
+
+    def _sync_clock(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- the choice ------------------------------------------------------------------
+    def choose(
+        self,
+        handlers: Sequence[tuple[str, LayerHandler]],
+        keys: Mapping[str, Sequence[PayloadKey]],
+        reduced: Reduced,
+        steps: int,
+        hyper: StepHyper,
+        comm: Communicator,
+    ) -> BudgetChoice:
+        """Make the choice from this step's rows (equal on every rank); the caller installs it.
+
+        ``hyper``: this step's values, whose intervals the choice keeps where
+        the user fixed them. Warns once when the budget cannot be met.
+        """
+
+        def rows(name: str, key: PayloadKey) -> float:
+            payload = reduced.get(name)
+            return float(payload[key][1]) if payload is not None and key in payload else 0.0
+
+        works = []
+        for name, h in handlers:
+            works.append(
+                LayerWork(
+                    name,
+                    h.a_size,
+                    h.g_size,
+                    # (A captured as a gram or as moments: the same rows.)
+                    training=h.training_work(
+                        max(rows(name, ("a", "moments")), rows(name, ("a", "gram")))
+                    ),
+                    a_gram=h.capture_work("a", "gram", rows(name, ("a", "gram"))),
+                    g_gram=h.capture_work("g", "gram", rows(name, ("g", "gram"))),
+                    a_moments=h.capture_work("a", "moments", rows(name, ("a", "moments"))),
+                    g_moments=h.capture_work("g", "moments", rows(name, ("g", "moments"))),
+                    a_fixed=self.fixed[name][0],
+                    g_fixed=self.fixed[name][1],
+                )
+            )
+        scale = 1.0
+        if self.calibrating:
+            capture_work = sum(
+                h.capture_work(key[0], key[1], rows(name, key))
+                for name, h in handlers
+                for key in keys[name]
+            )
+            scale = self._measured_scale(works, capture_work, steps, comm)
+        choice = choose_curvature(
+            works,
+            self.time_budget,
+            factor_update_steps=None
+            if "factor_update_steps" in self.auto_options
+            else hyper.factor_update_steps,
+            inv_update_steps=None
+            if "inv_update_steps" in self.auto_options
+            else hyper.inv_update_steps,
+            compute_method=self.compute_method,
+            scale=scale,
+            calibrated=self.calibrating,
+        )
+        previous = self.choice
+        if not choice.within_budget and (previous is None or previous.within_budget):
+            warn(
+                f"kaisa: time_budget={self.time_budget:g} cannot be met on this model "
+                f"(the cheapest curvature costs {choice.share:.3g} of the layers' work); "
+                "using the cheapest representations and intervals"
+            )
+        return choice
+
+    def install(self, choice: BudgetChoice, steps: int) -> None:
+        """Adopt ``choice`` (made now, or restored from a checkpoint) after ``steps`` steps."""
+        self.pending = False
+        self.choice = choice
+        self.calibrating = False
+        if choice.calibrated or not self.calibrate_budget:
+            self.calibrate_at = None
+        else:
+            self.calibrate_at = steps + CALIBRATION_STEPS
+            self._pass_seconds.clear()
+        if log.isEnabledFor(logging.INFO):
+            log.info("kaisa: automatic curvature choice at step %d:\n%s", steps, choice.describe())
+
+    def _measured_scale(
+        self, works: Sequence[LayerWork], capture_work: float, steps: int, comm: Communicator
+    ) -> float:
+        """The budget's time scale from the clock (equal on every rank: maxima)."""
+        capture_seconds = self._captured_seconds() - self._capture_mark
+        passes = statistics.median(self._pass_seconds) if self._pass_seconds else 0.0
+        passes, capture_seconds = comm.max_over_ranks([passes, capture_seconds])
+        training = sum(work.training for work in works)
+        scale = time_scale(passes, capture_seconds, capture_work, training)
+        log.info(
+            "kaisa: budget calibration at step %d: forward+backward %.2f ms (median of %d), "
+            "captures %.2f ms for %.3g multiply-adds; time scale %.3g",
+            steps,
+            passes * 1e3,
+            len(self._pass_seconds),
+            capture_seconds * 1e3,
+            capture_work,
+            scale,
+        )
+        return scale

@@ -1,0 +1,344 @@
+"""The preconditioner's checkpoint: its schema, written and read back, checked before any change.
+
+A state dict holds the format version (:data:`STATE_FORMAT`), the step count,
+the placement it was written under (world size, gradient workers), the
+options that shape the state (:data:`STATE_OPTIONS`), the automatic
+curvature choice, and each layer's block state. Each level restores itself:
+:meth:`~kaisa.curvature.budget.BudgetChoice.from_state` checks the choice,
+:func:`~kaisa.curvature.block.check_block_state` a block's state; this module
+checks the whole against the preconditioner that loads it
+(:func:`read_state`), so that :meth:`~kaisa.KFACPreconditioner.load_state_dict`
+installs a :class:`Restore` that can no longer fail.
+
+What a load does with what it finds:
+
+* Everything is checked before anything changes: the form and format
+  version, layer names, the automatic curvature choice, each layer's
+  representations, factor shapes and dtypes, counters, every second-order
+  tensor's count and shape, and that all tensors are finite. A bad
+  checkpoint raises ``TypeError`` or ``ValueError`` naming the layer, the key
+  or the option.
+* Layers are matched by name. A checkpoint written with another
+  ``compute_method``, ``damping_mode`` or
+  ``compute_eigenvalue_outer_product`` is converted (with a warning):
+  its factors are loaded and the second-order state is recomputed from
+  them at the next ``step()``; another ``factor_init`` is accepted (it
+  only steers later factor updates). A checkpoint without a format
+  version (format 1, written before curvature representations) loads
+  into all-exact layers only, and its second-order state is recomputed.
+* If the checkpoint was written under a different placement (world size
+  or fraction), second-order state is recomputed from the factors at
+  the next ``step()``. Under KAISA each rank holds second-order state
+  only for its own column's layers, so a checkpoint written by one rank
+  (the usual "save on rank 0") lacks the other columns' state: a rank
+  recomputes its layers' state from the factors at the next ``step()``
+  when the checkpoint does not have it, and ignores state for layers it
+  does not work on. Restoring each rank's own checkpoint continues
+  bit-identically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kaisa.autochoice import FixedSides
+from kaisa.choices import COMPUTE_METHODS, DAMPING_MODES, FACTOR_INITS
+from kaisa.curvature.block import BlockLayout, CheckedBlockState, check_block_state
+from kaisa.curvature.budget import BudgetChoice
+from kaisa.curvature.costs import SideSpec
+from kaisa.distributed.plan import WorkPlan
+from kaisa.options import KFACOptions
+from kaisa.validation import check_count, key_differences
+
+__all__ = ["STATE_FORMAT", "STATE_OPTIONS", "CheckpointTarget", "LayerSlot", "Restore"]
+
+#: The checkpoint format :func:`write_state` writes. A state dict without a
+#: ``"format"`` key is format 1, from before curvature representations (exact
+#: curvature only, no options recorded).
+STATE_FORMAT = 2
+#: The options that shape the saved state, with their allowed values; the
+#: state dict records them.
+STATE_OPTIONS: dict[str, tuple[object, ...]] = {
+    "compute_method": COMPUTE_METHODS,
+    "damping_mode": DAMPING_MODES,
+    "compute_eigenvalue_outer_product": (True, False),
+    "factor_init": FACTOR_INITS,
+}
+#: Options that shape the second-order state: another value in a checkpoint is
+#: converted (the state is recomputed from the factors). ``factor_init`` only
+#: steers later updates of the factors and is accepted as it is.
+_CONVERTIBLE = ("compute_method", "damping_mode", "compute_eigenvalue_outer_product")
+
+
+@dataclass(frozen=True)
+class LayerSlot:
+    """One registered layer as a checkpoint sees it."""
+
+    name: str
+    a_size: int
+    g_size: int
+    device: torch.device
+    specs: tuple[str, str]  # the block's representations now
+    fixed: FixedSides  # what the user (or the layer kind) fixed
+
+
+@dataclass(frozen=True)
+class CheckpointTarget:
+    """The preconditioner a checkpoint is read into (nothing here is changed).
+
+    ``make_plan`` gives the plan for other representations (an automatic
+    choice the checkpoint brings); ``pending``: the automatic choice is
+    still to be made, ``choice``: the one made.
+    """
+
+    layers: Sequence[LayerSlot]
+    options: KFACOptions
+    pending: bool
+    choice: BudgetChoice | None
+    plan: WorkPlan
+    make_plan: Callable[[Mapping[str, tuple[str, str]]], WorkPlan]
+    rank: int
+    world_size: int
+    factor_dtype: torch.dtype
+    inv_dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Restore:
+    """A checked checkpoint, ready to install: nothing in it can fail any more."""
+
+    choice: BudgetChoice | None  # an automatic choice to adopt
+    blocks: dict[str, CheckedBlockState]
+    second_order: set[str]  # layers whose second-order state is loaded
+    steps: int
+    recompute: bool  # the second-order state is recomputed at the next step()
+    converted: list[str]  # options whose other value in the checkpoint was converted
+
+
+def write_state(
+    *,
+    steps: int,
+    world_size: int,
+    grad_workers: int,
+    options: KFACOptions,
+    choice: BudgetChoice | None,
+    blocks: Mapping[str, dict[str, object]],
+) -> dict[str, Any]:
+    """The state dict: see the module docstring (``blocks``: each layer's block state)."""
+    return {
+        "format": STATE_FORMAT,
+        "steps": steps,
+        "world_size": world_size,
+        "grad_workers": grad_workers,
+        "options": {name: getattr(options, name) for name in STATE_OPTIONS},
+        "curvature_choice": None if choice is None else choice.state_dict(),
+        "layers": dict(blocks),
+    }
+
+
+def _legacy_method(saved: object, default: str) -> tuple[str, bool]:
+    """The compute method and outer product a format-1 layer state was written with.
+
+    Format 1 records no options; its exact sides hold ``[Q, λ]`` (eigen) or
+    ``[(F + γI)⁻¹]`` (inverse), and an outer product only with the eigen
+    method. The state is then checked against that (and recomputed anyway).
+    """
+    if not isinstance(saved, Mapping):
+        return default, False
+    second = saved.get("second_order")
+    tensors = second.get("a") if isinstance(second, Mapping) else None
+    method = default
+    if isinstance(tensors, (list, tuple)):
+        method = "eigen" if len(tensors) == 2 else "inverse"
+    return method, "outer_inverse" in saved
+
+
+def _saved_options(saved: object) -> dict[str, object]:
+    """The checkpoint's ``'options'``, checked for form (their values may differ from ours)."""
+    where = "state_dict 'options'"
+    if not isinstance(saved, Mapping):
+        raise TypeError(f"{where} must be a dict; got {type(saved).__name__}")
+    missing, unexpected = key_differences(saved, list(STATE_OPTIONS))
+    if missing or unexpected:
+        raise ValueError(
+            f"{where} is malformed: missing {missing}, unexpected [{', '.join(unexpected)}]"
+        )
+    for name, allowed in STATE_OPTIONS.items():
+        value = saved[name]
+        if type(value) is not type(allowed[0]):
+            raise TypeError(f"{where}: {name} must be one of {allowed}; got {value!r}")
+        if value not in allowed:
+            raise ValueError(f"{where}: {name} must be one of {allowed}; got {value!r}")
+    return dict(saved)
+
+
+def _saved_choice(saved: object, target: CheckpointTarget) -> BudgetChoice | None:
+    """The checkpoint's automatic choice, checked against ``target`` (no change)."""
+    if saved is None:
+        return None
+    where = "state_dict 'curvature_choice'"
+    choice = BudgetChoice.from_state(saved, where)
+    specs = choice.specs
+    if set(specs) != {layer.name for layer in target.layers}:
+        raise ValueError(f"{where} names other layers than registered")
+    for layer in target.layers:
+        for side, size, fixed, chosen in zip(
+            "AG", (layer.a_size, layer.g_size), layer.fixed, specs[layer.name], strict=True
+        ):
+            SideSpec.parse(chosen).check_size(size, f"{where}: layer {layer.name!r}, {side}")
+            if fixed is not None and fixed != chosen:
+                raise ValueError(
+                    f"state_dict holds {side} of layer {layer.name!r} as {chosen!r}, but "
+                    f"curvature fixes it to {fixed!r}"
+                )
+    mine = target.choice
+    if mine is not None and (
+        mine.specs != specs
+        or (mine.factor_update_steps, mine.inv_update_steps)
+        != (choice.factor_update_steps, choice.inv_update_steps)
+    ):
+        raise ValueError(
+            "state_dict holds another automatic curvature choice than this preconditioner "
+            "made; load it into a new preconditioner (before its first step)"
+        )
+    return choice
+
+
+def read_state(state_dict: object, target: CheckpointTarget) -> Restore:
+    """Everything a load will install, checked against ``target``; nothing is changed here.
+
+    Raises ``TypeError`` or ``ValueError`` naming the layer, the key or the
+    option (see :meth:`kaisa.KFACPreconditioner.load_state_dict`).
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            "state_dict must be a dict from KFACPreconditioner.state_dict(); "
+            f"got {type(state_dict).__name__}"
+        )
+    version = state_dict.get("format", 1)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise TypeError(f"state_dict 'format' must be an integer; got {version!r}")
+    if version not in (1, STATE_FORMAT):
+        raise ValueError(
+            f"state_dict has format version {version}; this kaisa reads versions 1 and "
+            f"{STATE_FORMAT} (was it written by a newer kaisa?)"
+        )
+    legacy = version == 1
+    required = ["grad_workers", "layers", "steps", "world_size"]
+    if not legacy:
+        required += ["curvature_choice", "format", "options"]
+    missing, unexpected = key_differences(
+        state_dict, sorted(required), optional=("curvature_choice", "format")
+    )
+    if missing:
+        raise ValueError(
+            f"state_dict is not a KFACPreconditioner state dict (format {version}): "
+            f"it lacks the keys {missing}"
+        )
+    if unexpected:
+        raise ValueError(
+            f"state_dict (format {version}) holds unexpected keys {', '.join(unexpected)}"
+        )
+    steps = check_count(state_dict["steps"], "state_dict 'steps'")
+    world_size = check_count(state_dict["world_size"], "state_dict 'world_size'", low=1)
+    grad_workers = check_count(state_dict["grad_workers"], "state_dict 'grad_workers'", low=1)
+    saved_options = None if legacy else _saved_options(state_dict["options"])
+    layers = state_dict["layers"]
+    if not isinstance(layers, Mapping):
+        raise TypeError(
+            f"state_dict 'layers' must be a dict of layer states; got {type(layers).__name__}"
+        )
+    missing_layers, unexpected_layers = key_differences(
+        layers, sorted({layer.name for layer in target.layers})
+    )
+    if missing_layers or unexpected_layers:
+        raise ValueError(
+            "state_dict layers do not match the registered layers: "
+            f"missing {missing_layers}, unexpected [{', '.join(unexpected_layers)}]"
+        )
+    choice = _saved_choice(state_dict.get("curvature_choice"), target)
+    adopt = choice if choice is not None and target.pending else None
+    if adopt is not None:
+        specs = {layer.name: adopt.specs[layer.name] for layer in target.layers}
+        plan = target.make_plan(specs)
+    else:
+        specs = {layer.name: layer.specs for layer in target.layers}
+        plan = target.plan
+    if legacy:
+        for name, (a, g) in specs.items():
+            if (a, g) != ("exact", "exact"):
+                raise ValueError(
+                    "state_dict has no 'format': it was written before curvature "
+                    f"representations (format 1, exact curvature only), but this "
+                    f"preconditioner holds layer {name!r} as ({a!r}, {g!r}); construct "
+                    "it with curvature='exact' to load it"
+                )
+    auto_sides = [
+        f"{layer.name}.{side}"
+        for layer in target.layers
+        for side, value in zip("AG", layer.fixed, strict=True)
+        if value is None
+    ]
+    # A well-formed positive counter (a bad one is refused below, by name).
+    folded = legacy or any(
+        isinstance(entry, Mapping) and type(entry.get("updates")) is int and entry["updates"] > 0
+        for entry in layers.values()
+    )
+    if choice is None and target.pending and auto_sides and folded:
+        raise ValueError(
+            "state_dict has no automatic curvature choice but holds folded factors (it was "
+            "written with fixed curvature), while this preconditioner leaves "
+            f"{', '.join(auto_sides)} to curvature='auto', whose choice at the first factor "
+            "update would replace them; construct it with the checkpoint's curvature "
+            "(each layer's 'representation')"
+        )
+    options = target.options
+    converted = []
+    if saved_options is not None:
+        for name in _CONVERTIBLE:
+            if saved_options[name] != getattr(options, name):
+                converted.append(
+                    f"{name}={saved_options[name]!r} (this preconditioner: "
+                    f"{getattr(options, name)!r})"
+                )
+    same_plan = world_size == target.world_size and grad_workers == plan.grad_workers
+    keep = same_plan and not legacy and not converted
+    recompute = not keep
+    blocks: dict[str, CheckedBlockState] = {}
+    load_second_order: set[str] = set()
+    for layer in target.layers:
+        saved = layers[layer.name]
+        if saved_options is not None:
+            method, outer = (
+                saved_options["compute_method"],
+                saved_options["compute_eigenvalue_outer_product"],
+            )
+        else:
+            method, outer = _legacy_method(saved, options.compute_method)
+        layout = BlockLayout(
+            layer.name,
+            layer.a_size,
+            layer.g_size,
+            (SideSpec.parse(specs[layer.name][0]), SideSpec.parse(specs[layer.name][1])),
+            method,  # type: ignore[arg-type]
+            bool(outer),
+            device=layer.device,
+            factor_dtype=target.factor_dtype,
+            inv_dtype=target.inv_dtype,
+        )
+        works_here = plan.is_grad_worker(layer.name, target.rank)
+        checked = check_block_state(saved, layout, legacy=legacy, second_order=keep and works_here)
+        blocks[layer.name] = checked
+        if keep and works_here:
+            if checked.second_order is not None:
+                load_second_order.add(layer.name)
+            else:
+                # Written by a rank of another column. Every rank of this column
+                # sees the same checkpoint and decides alike, and the recompute
+                # only talks inside the column, so ranks need not agree on this.
+                recompute = True
+    return Restore(adopt, blocks, load_second_order, steps, recompute, converted)
