@@ -19,8 +19,9 @@ if TYPE_CHECKING:
     from kaisa.curvature import DecompositionError
     from kaisa.distributed import LayerShape, WorkPlan, make_plan
     from kaisa.layers import LayerHandler, register_handler
-    from kaisa.preconditioner import KFACPreconditioner, RegisteredLayer
+    from kaisa.preconditioner import KFACPreconditioner
     from kaisa.telemetry import Telemetry
+    from kaisa.views import BlockView, RegisteredLayer
 
 __version__ = "0.1.0"
 
@@ -31,7 +32,8 @@ _LAZY = {
     "KFACPreconditioner": "kaisa.preconditioner",
     "LayerHandler": "kaisa.layers",
     "LayerShape": "kaisa.distributed.plan",
-    "RegisteredLayer": "kaisa.preconditioner",
+    "RegisteredLayer": "kaisa.views",
+    "BlockView": "kaisa.views",
     "Telemetry": "kaisa.telemetry",
     "WorkPlan": "kaisa.distributed.plan",
     "make_plan": "kaisa.distributed.plan",
@@ -41,6 +43,7 @@ _LAZY = {
 __getattr__, __dir__ = _lazy.lazy_attributes(__name__, _LAZY)
 
 __all__ = [
+    "BlockView",
     "DecompositionError",
     "KFACPreconditioner",
     "LayerHandler",

@@ -28,7 +28,6 @@ The preconditioner's state is saved in the trainer's checkpoints under
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,6 +43,7 @@ except ImportError as error:
 import torch
 
 from kaisa.preconditioner import KFACPreconditioner
+from kaisa.warn import warn
 
 __all__ = ["CHECKPOINT_KEY", "KFACCallback"]
 
@@ -221,11 +221,9 @@ class KFACCallback(pl.Callback):
         """Restore the preconditioner's state (when it is built, if it is not yet)."""
         state = checkpoint.get(CHECKPOINT_KEY)
         if state is None:
-            warnings.warn(
+            warn(
                 f"kaisa: the checkpoint holds no preconditioner state (no {CHECKPOINT_KEY!r} "
-                "key); K-FAC starts afresh from this point",
-                RuntimeWarning,
-                stacklevel=2,
+                "key); K-FAC starts afresh from this point"
             )
             return
         if self._preconditioner is not None:

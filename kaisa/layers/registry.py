@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -15,6 +14,7 @@ from kaisa.layers.base import LayerHandler
 from kaisa.layers.conv import conv1d_handler, conv2d_handler, unsupported_reason
 from kaisa.layers.embedding import embedding_handler
 from kaisa.layers.linear import LinearHandler
+from kaisa.warn import warn
 
 #: ``factory(module, **options)`` returns a handler, several (one module holding
 #: several blocks), or ``None`` to skip the module.
@@ -250,7 +250,7 @@ def find_layers(
     """
     result = survey(model, skip_layers, **options)
     for message in result.warnings:
-        warnings.warn(message, stacklevel=3)
+        warn(message, UserWarning)
     return result.layers
 
 
