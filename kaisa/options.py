@@ -9,7 +9,7 @@ what is allowed.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,8 +112,6 @@ def _curvature_rules(value: object) -> tuple[tuple[str, FixedSides], ...]:
         f"expressions to those; got {value!r}"
     )
 
-
-GradScale = Callable[[], float]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -479,31 +477,3 @@ class KFACOptions:
         if "kl_clip" not in self.hyper:
             parts.append("kl_clip=None")
         return ", ".join(parts)
-
-    def scaler_still_scaled(self) -> bool:
-        """A ``torch.amp.GradScaler`` that is on and has unscaled no optimizer this iteration.
-
-        ``GradScaler.unscale_(optimizer)`` marks that optimizer unscaled until
-        ``update()``; a ``step()`` of kaisa before it sees gradients still
-        multiplied by the loss scale. ``False`` when it cannot be told (a
-        callable scale, another scaler type).
-        """
-        scaler = self.grad_scaler
-        states = getattr(scaler, "_per_optimizer_states", None)
-        is_enabled = getattr(scaler, "is_enabled", None)
-        if not isinstance(states, Mapping) or not callable(is_enabled) or not is_enabled():
-            return False
-        return not any(
-            getattr(state.get("stage"), "name", "") == "UNSCALED" for state in states.values()
-        )
-
-    def grad_scale_reader(self) -> GradScale | None:
-        """A function returning the current loss scale, or ``None`` without a scaler."""
-        scaler = self.grad_scaler
-        if scaler is None:
-            return None
-        get_scale = getattr(scaler, "get_scale", None)
-        if callable(get_scale):
-            return lambda: float(get_scale())
-        assert callable(scaler)
-        return lambda: float(scaler())

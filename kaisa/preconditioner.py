@@ -40,6 +40,7 @@ from kaisa.distributed.comm import (
 )
 from kaisa.distributed.plan import LayerShape, WorkPlan, make_plan
 from kaisa.engines import select_engine
+from kaisa.engines.base import LossScale
 from kaisa.layers import LayerHandler
 from kaisa.layers.base import Detachable
 from kaisa.layers.registry import Coverage, coverage_of, survey
@@ -262,6 +263,8 @@ class KFACPreconditioner:
             layout=self._layout(),
             group=self.process_group,
         )
+        #: The loss scale the captures and gradients carry (AMP, a DeepSpeed engine's).
+        self.loss_scale = LossScale(options.grad_scaler)
         self._capturer = Capturer(
             self.comm,
             self.telemetry,
@@ -269,7 +272,7 @@ class KFACPreconditioner:
             update_in_hook=options.update_factors_in_hook,
             product_dtype=self.product_dtype,
             device_type=self.device.type,
-            grad_scale=options.grad_scale_reader(),
+            grad_scale=self.loss_scale.reader(),
         )
         self._handles: list[Detachable] = [
             layer.handler.attach(functools.partial(self._capturer.capture, layer.captures))
@@ -440,7 +443,7 @@ class KFACPreconditioner:
         hyper = self.hyperparameters()
         captures = [layer.captures for layer in self._layers]
         self._capturer.check_passes(captures)
-        if self.options.scaler_still_scaled() and self._once("scaled"):
+        if self.loss_scale.still_scaled() and self._once("scaled"):
             warn(
                 "kaisa: the grad_scaler has unscaled no optimizer's gradients this iteration: "
                 "call scaler.unscale_(optimizer) before preconditioner.step() (KL clipping on "

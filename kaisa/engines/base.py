@@ -31,7 +31,7 @@ which loss scale the gradients still carry (:meth:`~GradAccess.loss_scale`).
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -106,6 +106,50 @@ class GradAccess:
 
 #: The access of handlers used outside a preconditioner.
 PLAIN = GradAccess()
+
+
+class LossScale:
+    """Every reading of a loss scaler in one place: ``grad_scaler`` as the engine gave it.
+
+    Two scales matter to kaisa. The captured output gradients ``δ`` carry the
+    loss scale of the backward pass; :meth:`reader` reads it (a
+    ``torch.amp.GradScaler``'s ``get_scale()``, a callable's value, a DeepSpeed
+    engine's scale), and the captures are unscaled with it before any
+    product. The parameter gradients may still carry a scale when kaisa
+    reads them, which is the engine's to say (:meth:`GradAccess.loss_scale`).
+    :meth:`still_scaled` tells when a ``GradScaler`` has unscaled no
+    optimizer's gradients yet in this iteration.
+    """
+
+    def __init__(self, scaler: object) -> None:
+        self.scaler = scaler
+
+    def reader(self) -> Callable[[], float] | None:
+        """A function returning the current loss scale, or ``None`` without a scaler."""
+        scaler = self.scaler
+        if scaler is None:
+            return None
+        get_scale = getattr(scaler, "get_scale", None)
+        if callable(get_scale):
+            return lambda: float(get_scale())
+        assert callable(scaler)
+        return lambda: float(scaler())
+
+    def still_scaled(self) -> bool:
+        """A ``torch.amp.GradScaler`` that is on and has unscaled no optimizer this iteration.
+
+        ``GradScaler.unscale_(optimizer)`` marks that optimizer unscaled until
+        ``update()``; a ``step()`` of kaisa before it sees gradients still
+        multiplied by the loss scale. ``False`` when it cannot be told (a
+        callable scale, another scaler type).
+        """
+        states = getattr(self.scaler, "_per_optimizer_states", None)
+        is_enabled = getattr(self.scaler, "is_enabled", None)
+        if not isinstance(states, Mapping) or not callable(is_enabled) or not is_enabled():
+            return False
+        return not any(
+            getattr(state.get("stage"), "name", "") == "UNSCALED" for state in states.values()
+        )
 
 
 class StagedGradAccess(GradAccess):

@@ -82,7 +82,7 @@ class AcceleratedPreconditioner:
                 f"accelerator.gradient_accumulation_steps changed to {steps}, but the "
                 f"preconditioner's accumulation_steps is fixed at {pre.options.accumulation_steps}"
             )
-        if accelerator.scaler is not None and pre.options.scaler_still_scaled():
+        if accelerator.scaler is not None and pre.loss_scale.still_scaled():
             accelerator.unscale_gradients()
         pre.step()
         return True
