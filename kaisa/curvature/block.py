@@ -22,7 +22,6 @@ from kaisa.choices import ComputeMethod, DampingMode, FactorInit
 from kaisa.curvature.linalg import (
     DecompositionError,
     eigen_outer_inverse,
-    mean_scale,
     precondition_eigen,
     precondition_inverse,
 )
@@ -94,6 +93,8 @@ class KroneckerBlock:
     the exact eigen method solves ``(G ⊗ A / (m_G m_A) + γI)⁻¹ vec(∇)`` and the
     inverse method forms ``(F / m_F + γI)⁻¹``, so ``γ`` is relative to each
     layer's own curvature scale instead of absolute (spec §4 uses absolute).
+    Each side computes and applies its scale (:meth:`Side.scale`,
+    :meth:`Side.scaled_state`); the block only reads the scaled eigenvalues.
     A layer with a side that is not exact is solved side by side,
     ``P = (G/s_G + γ_G I)⁻¹ ∇ (A/s_A + γ_A I)⁻¹`` with ``γ_A γ_G = γ``
     (:func:`~kaisa.curvature.representations.split_damping`); its exact sides
@@ -265,27 +266,16 @@ class KroneckerBlock:
         return a, g
 
     def _eigenvalues(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(λ_G, λ_A)`` as the damping sees them: raw, or divided by their means."""
+        """``(λ_G, λ_A)`` as the damping sees them: those of ``G/s_G`` and ``A/s_A``."""
         a, g = self._exact_sides()
-        dg, da = g.eigen[1], a.eigen[1]
-        if self.damping_mode == "relative":
-            return dg / mean_scale(dg), da / mean_scale(da)
-        return dg, da
+        return g.scaled_state()[1], a.scaled_state()[1]
 
     def precondition(self, grad: torch.Tensor, damping: float) -> torch.Tensor:
         """The preconditioned gradient ``P`` for a ``(g_size, a_size)`` gradient."""
         if not self.exact:
             a, g = self.sides["a"], self.sides["g"]
-            relative = self.damping_mode == "relative"
-            scales = (
-                (1.0, 1.0)
-                if relative
-                else (
-                    float(a.mean_eigenvalue()),
-                    float(g.mean_eigenvalue()),
-                )
-            )
-            gamma_a, gamma_g = split_damping(damping, *scales, relative=relative)
+            scales = a.scaled_mean_eigenvalue(), g.scaled_mean_eigenvalue()
+            gamma_a, gamma_g = split_damping(damping, *scales)
             # Contiguous: the gradient broadcast sends tensors in memory order.
             return a.solve(g.solve(grad, gamma_g, dim=0), gamma_a, dim=1).contiguous()
         a, g = self._exact_sides()

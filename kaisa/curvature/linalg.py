@@ -79,9 +79,11 @@ def damped_inverse(factor: torch.Tensor, damping: float, out_dtype: torch.dtype)
 def mean_scale(values: torch.Tensor) -> torch.Tensor:
     """The mean of ``values`` as a 0-d tensor, never below the dtype's smallest normal.
 
-    Used for relative damping: a factor divided by its mean eigenvalue
-    (``trace / size``) has unit mean scale, so one damping value means the same
-    in every layer. A factor that is all zero keeps a positive divisor.
+    Relative damping's scale (read through
+    :meth:`kaisa.curvature.representations.Side.scale`, its one user): a
+    factor divided by its mean eigenvalue (``trace / size``) has unit mean
+    scale, so one damping value means the same in every layer. A factor that
+    is all zero keeps a positive divisor.
     """
     return values.mean().clamp(min=torch.finfo(values.dtype).tiny)
 

@@ -13,7 +13,9 @@ representation:
   that state to the layer's other gradient workers (:meth:`Side.state_tensors`);
 * how to apply its damped inverse ``(F / s + γI)⁻¹`` to a gradient along one
   dimension (:meth:`Side.solve`), ``s`` the mean eigenvalue under relative
-  damping and 1 otherwise;
+  damping and 1 otherwise. The base class decides and applies ``s``
+  (:meth:`Side.scale`, :meth:`Side.scaled_state`, :meth:`Side.scaled_factor`);
+  each representation does the maths of an unscaled matrix;
 * what it costs (:class:`SideCost`): work per refresh and per
   preconditioning, and the numbers it holds and sends;
 * :meth:`Side.dense`: the ``n × n`` matrix it stands for, which the tests invert
@@ -159,12 +161,20 @@ class Side(ABC):
         """
         cached = self._coefficients
         if cached is None or cached[0] != damping:
-            cached = (damping, self._solve_coefficients(damping))
+            cached = (damping, self._solve_coefficients(self.scaled_state(), damping))
             self._coefficients = cached
         return cached[1]
 
     @abstractmethod
-    def _solve_coefficients(self, damping: float) -> tuple[torch.Tensor, ...]: ...
+    def _solve_coefficients(
+        self, state: list[torch.Tensor], damping: float
+    ) -> tuple[torch.Tensor, ...]:
+        """What :meth:`solve` needs to apply ``(M + γI)⁻¹``, ``M`` the matrix ``state`` stands for.
+
+        ``state`` is :meth:`scaled_state`: the scale is already applied, so
+        this is the maths of an unscaled matrix. Its tensors may be the state
+        itself: compute out of place.
+        """
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The tensors a refresh writes and the column broadcast sends."""
@@ -183,11 +193,66 @@ class Side(ABC):
             old.copy_(value)
         self.invalidate()
 
+    # -- relative damping: decided and applied here only ---------------------------
+    #: For each tensor of the state, the power of ``s`` it scales with when
+    #: ``F`` becomes ``F/s``: 1 for eigenvalues and diagonals, 0.5 for a vector
+    #: whose outer product is ``F``, 0 for what does not scale (a basis).
+    #: Representations that damp at refresh instead use :meth:`scaled_factor`.
+    state_powers: ClassVar[tuple[float, ...]]
+
     def scale(self) -> torch.Tensor:
-        """``s``: the mean eigenvalue under relative damping, else 1 (a 0-d tensor)."""
+        """``s``: the mean eigenvalue under relative damping, else 1 (a 0-d tensor).
+
+        The only place relative damping's scale is computed: from
+        :meth:`_scale_source` (by default :meth:`mean_eigenvalue`), floored
+        at the dtype's smallest normal number (:func:`mean_scale`).
+        """
         if not self.relative:
             return torch.ones((), dtype=self.inv_dtype, device=self.factor.device)
-        return mean_scale(self.mean_eigenvalue())
+        return mean_scale(self._scale_source())
+
+    def _scale_source(self) -> torch.Tensor:
+        """The eigenvalues (or their mean) whose mean is ``s``."""
+        return self.mean_eigenvalue()
+
+    def scaled_state(self) -> list[torch.Tensor]:
+        """The second-order state of ``F/s``: each tensor divided by ``s`` to its power.
+
+        What every :meth:`solve` and the block's exact eigen solve read. Under
+        absolute damping (``s = 1``) these are the state's tensors themselves.
+        """
+        state = self.allocate()
+        powers = self._state_powers()
+        if not self.relative or not any(powers):
+            return list(state)
+        s = self.scale()
+        root = s.sqrt() if 0.5 in powers else s
+        return [
+            t if power == 0 else t / (s if power == 1 else root)
+            for t, power in zip(state, powers, strict=True)
+        ]
+
+    def scaled_factor(self) -> torch.Tensor:
+        """The running average of ``F/s``, for a representation that damps at refresh.
+
+        Under absolute damping (``s = 1``) the running average itself.
+        """
+        if not self.relative:
+            return self.factor
+        return self.factor / self.scale().to(self.factor.dtype)
+
+    def scaled_mean_eigenvalue(self) -> float:
+        """The mean eigenvalue of ``F/s``, for splitting a layer's damping (a host sync).
+
+        1 under relative damping (``F/s`` has unit mean eigenvalue: that is
+        what ``s`` is for; no sync), ``F``'s own otherwise.
+        """
+        if self.relative:
+            return 1.0
+        return float(self.mean_eigenvalue())
+
+    def _state_powers(self) -> tuple[float, ...]:
+        return self.state_powers
 
     @abstractmethod
     def _identity_state(self) -> list[torch.Tensor]: ...
@@ -230,6 +295,7 @@ class ExactSide(Side):
 
     kind = "exact"
     capture = "gram"
+    state_powers = (0.0, 1.0)  # Q, λ (the eigen method; see _state_powers)
 
     def __init__(self, name: str, size: int, *, method: str = "eigen", **kw: object) -> None:
         super().__init__(name, size, **kw)  # type: ignore[arg-type]
@@ -245,11 +311,17 @@ class ExactSide(Side):
         if self.method == "eigen":
             q, values = symmetric_eigen(self.factor, self.inv_dtype)
             return [q, values]
-        factor = self.factor
-        if self.relative:
-            diagonal = factor.diagonal().to(compute_dtype(factor.dtype))
-            factor = factor / mean_scale(diagonal).to(factor.dtype)
-        return [damped_inverse(factor, damping, self.inv_dtype)]
+        # Damped here, at refresh (spec §4): the scale is applied to the factor.
+        return [damped_inverse(self.scaled_factor(), damping, self.inv_dtype)]
+
+    def _state_powers(self) -> tuple[float, ...]:
+        return (0.0, 1.0) if self.method == "eigen" else (0.0,)
+
+    def _scale_source(self) -> torch.Tensor:
+        if self.method == "eigen":
+            return self.mean_eigenvalue()
+        # The inverse is formed from the factor: its diagonal, in the decomposition's dtype.
+        return self.factor.diagonal().to(compute_dtype(self.factor.dtype))
 
     def mean_eigenvalue(self) -> torch.Tensor:
         if self.method == "eigen":
@@ -262,12 +334,14 @@ class ExactSide(Side):
         q, values = self.allocate()
         return q, values
 
-    def _solve_coefficients(self, damping: float) -> tuple[torch.Tensor, ...]:
+    def _solve_coefficients(
+        self, state: list[torch.Tensor], damping: float
+    ) -> tuple[torch.Tensor, ...]:
         if self.method == "inverse":
             # The inverse was formed with the damping of its refresh (spec §4).
-            return (self.allocate()[0],)
-        q, values = self.eigen
-        inv = (values / self.scale()).add_(damping).reciprocal_()
+            return (state[0],)
+        q, values = state
+        inv = values.add(damping).reciprocal_()
         return q, inv.unsqueeze(1)
 
     def solve(self, matrix: torch.Tensor, damping: float, dim: int) -> torch.Tensor:
@@ -301,6 +375,7 @@ class LowRankSide(Side):
 
     kind = "lowrank"
     capture = "gram"
+    state_powers = (0.0, 1.0, 1.0)  # U, λ, σ
 
     def __init__(self, name: str, size: int, *, rank: int, **kw: object) -> None:
         super().__init__(name, size, **kw)  # type: ignore[arg-type]
@@ -355,11 +430,12 @@ class LowRankSide(Side):
         _, values, sigma = self.allocate()
         return (values.sum() + (self.size - self.rank) * sigma[0]) / self.size
 
-    def _solve_coefficients(self, damping: float) -> tuple[torch.Tensor, ...]:
-        u, values, sigma = self.allocate()
-        s = self.scale()
-        rest = 1.0 / (sigma[0] / s + damping)
-        coefficient = (values / s).add_(damping).reciprocal_().sub_(rest)
+    def _solve_coefficients(
+        self, state: list[torch.Tensor], damping: float
+    ) -> tuple[torch.Tensor, ...]:
+        u, values, sigma = state
+        rest = 1.0 / (sigma[0] + damping)
+        coefficient = values.add(damping).reciprocal_().sub_(rest)
         return u, coefficient.unsqueeze(1), rest
 
     def solve(self, matrix: torch.Tensor, damping: float, dim: int) -> torch.Tensor:
@@ -382,6 +458,7 @@ class KroneckerVectorSide(Side):
 
     kind = "kvec"
     capture = "moments"
+    state_powers = (0.5,)  # ā: ā āᵀ = F
 
     def _identity_state(self) -> list[torch.Tensor]:
         return [self.factor[0].to(self.inv_dtype).clone()]
@@ -393,9 +470,10 @@ class KroneckerVectorSide(Side):
         (mean,) = self.allocate()
         return mean.dot(mean) / self.size
 
-    def _solve_coefficients(self, damping: float) -> tuple[torch.Tensor, ...]:
-        (mean,) = self.allocate()
-        b = mean / self.scale().sqrt()
+    def _solve_coefficients(
+        self, state: list[torch.Tensor], damping: float
+    ) -> tuple[torch.Tensor, ...]:
+        (b,) = state  # ā/√s: (ā/√s)(ā/√s)ᵀ = F/s
         return b, damping + b.dot(b)
 
     def solve(self, matrix: torch.Tensor, damping: float, dim: int) -> torch.Tensor:
@@ -415,6 +493,7 @@ class DiagonalSide(Side):
 
     kind = "diagonal"
     capture = "moments"
+    state_powers = (1.0,)
 
     def _identity_state(self) -> list[torch.Tensor]:
         return [self.factor[1].to(self.inv_dtype).clone()]
@@ -425,9 +504,11 @@ class DiagonalSide(Side):
     def mean_eigenvalue(self) -> torch.Tensor:
         return self.allocate()[0].mean()
 
-    def _solve_coefficients(self, damping: float) -> tuple[torch.Tensor, ...]:
-        (diagonal,) = self.allocate()
-        inv = (diagonal / self.scale()).add_(damping).reciprocal_()
+    def _solve_coefficients(
+        self, state: list[torch.Tensor], damping: float
+    ) -> tuple[torch.Tensor, ...]:
+        (diagonal,) = state
+        inv = diagonal.add(damping).reciprocal_()
         return (inv.unsqueeze(1),)
 
     def solve(self, matrix: torch.Tensor, damping: float, dim: int) -> torch.Tensor:
@@ -503,13 +584,15 @@ def checkpoint_shapes(
 
 
 def split_damping(
-    damping: float, a_scale: float, g_scale: float, relative: bool
+    damping: float, a_scale: float, g_scale: float, relative: bool = False
 ) -> tuple[float, float]:
     """``(γ_A, γ_G)`` with ``γ_A γ_G = γ`` for a layer solved side by side (spec §8).
 
-    Relative damping: ``√γ`` each (both factors have unit mean eigenvalue).
-    Absolute: Martens & Grosse's π-split, ``γ_A = π√γ``, ``γ_G = √γ/π`` with
-    ``π = √(mean eig(A) / mean eig(G))`` (``π = 1`` if either is 0).
+    Martens & Grosse's π-split, ``γ_A = π√γ``, ``γ_G = √γ/π`` with
+    ``π = √(mean eig(A) / mean eig(G))`` (``π = 1`` if either is 0), the means
+    of the matrices the damping is added to
+    (:meth:`Side.scaled_mean_eigenvalue`). Under relative damping both are 1,
+    so ``√γ`` each; ``relative=True`` says so without the scales.
     """
     root = math.sqrt(damping)
     if relative or a_scale <= 0.0 or g_scale <= 0.0:

@@ -15,7 +15,7 @@ import torch
 
 from kaisa.curvature.block import KroneckerBlock
 from kaisa.curvature.costs import SideSpec, side_cost
-from kaisa.curvature.linalg import DecompositionError
+from kaisa.curvature.linalg import DecompositionError, damped_inverse, precondition_eigen
 from kaisa.curvature.representations import (
     OVERSAMPLING,
     DiagonalSide,
@@ -778,3 +778,112 @@ def test_solve_coefficients_follow_the_state_and_the_damping(spec: str, method: 
         target.mul_(2.0)
     side.invalidate()
     assert torch.equal(side.solve(m, 0.1, dim=0), fresh(0.1))
+
+
+# -- relative damping: one scale, decided and applied by the Side base class ------------
+
+
+def _refreshed(kind: str, n: int, relative: bool, method: str = "eigen") -> Side:
+    s = side(kind, n, relative=relative, method=method)
+    s.fold(batch_for("exact" if s.capture == "gram" else kind, n, 7.0), 0.0)
+    s.refresh(0.1)
+    return s
+
+
+@pytest.mark.parametrize("kind", ["exact", "lowrank", "kvec", "diagonal"])
+def test_absolute_damping_leaves_the_state_unscaled(kind: str) -> None:
+    s = _refreshed(kind, 6, relative=False)
+    assert all(t is u for t, u in zip(s.scaled_state(), s.state, strict=True))
+    assert s.scaled_factor() is s.factor
+    assert float(s.scale()) == 1.0
+    assert s.scaled_mean_eigenvalue() == float(s.mean_eigenvalue())
+
+
+@pytest.mark.parametrize("kind", ["exact", "lowrank", "kvec", "diagonal"])
+def test_relative_damping_divides_what_scales_with_the_factor(kind: str) -> None:
+    s = _refreshed(kind, 6, relative=True)
+    scale = s.scale()
+    assert torch.equal(scale, s.mean_eigenvalue().clamp(min=torch.finfo(D).tiny))
+    scaled = s.scaled_state()
+    powers = {"exact": (0, 1), "lowrank": (0, 1, 1), "kvec": (0.5,), "diagonal": (1,)}[kind]
+    for got, raw, power in zip(scaled, s.state, powers, strict=True):
+        if power == 0:
+            assert got is raw
+        else:
+            assert torch.equal(got, raw / (scale if power == 1 else scale.sqrt()))
+    # the matrix the scaled state stands for has unit mean eigenvalue
+    assert s.scaled_mean_eigenvalue() == 1.0
+    tight(torch.trace(s.dense()) / 6 / scale, torch.tensor(1.0, dtype=D))
+
+
+@pytest.mark.parametrize("relative", [False, True])
+def test_the_solve_coefficients_are_the_scaled_formulas_bit_for_bit(relative: bool) -> None:
+    exact = _refreshed("exact", 5, relative)
+    _, values = exact.state
+    inv = (values / exact.scale()).add_(0.1).reciprocal_()
+    assert torch.equal(exact.coefficients(0.1)[1], inv.unsqueeze(1))
+    low = _refreshed("lowrank", 5, relative)
+    _, values, sigma = low.state
+    s = low.scale()
+    rest = 1.0 / (sigma[0] / s + 0.1)
+    coefficient = (values / s).add_(0.1).reciprocal_().sub_(rest)
+    _, got, got_rest = low.coefficients(0.1)
+    assert torch.equal(got, coefficient.unsqueeze(1)) and torch.equal(got_rest, rest)
+    kvec = _refreshed("kvec", 5, relative)
+    b = kvec.state[0] / kvec.scale().sqrt()
+    got_b, denominator = kvec.coefficients(0.1)
+    assert torch.equal(got_b, b) and torch.equal(denominator, 0.1 + b.dot(b))
+    diagonal = _refreshed("diagonal", 5, relative)
+    inv = (diagonal.state[0] / diagonal.scale()).add_(0.1).reciprocal_()
+    assert torch.equal(diagonal.coefficients(0.1)[0], inv.unsqueeze(1))
+
+
+@pytest.mark.parametrize("factor_dtype", [torch.float32, torch.bfloat16])
+def test_the_exact_inverse_is_scaled_by_its_factor_diagonal_at_refresh(
+    factor_dtype: torch.dtype,
+) -> None:
+    s = make_side(
+        SideSpec("exact"),
+        "x",
+        5,
+        method="inverse",
+        device=CPU,
+        factor_dtype=factor_dtype,
+        inv_dtype=torch.float32,
+        relative=True,
+    )
+    s.fold(spd(5).to(factor_dtype) * 40.0, 0.0)
+    s.refresh(0.1)
+    # the mean of the diagonal in float32 (the decomposition's dtype), cast back
+    mean = s.factor.diagonal().to(torch.float32).mean().to(factor_dtype)
+    expected = damped_inverse(s.factor / mean, 0.1, torch.float32)
+    assert torch.equal(s.state[0], expected)
+
+
+@pytest.mark.parametrize("outer", [False, True])
+def test_the_exact_block_solves_with_the_sides_scaled_eigenvalues(outer: bool) -> None:
+    b = KroneckerBlock(
+        "l",
+        A_SIZE,
+        G_SIZE,
+        device=CPU,
+        factor_dtype=D,
+        inv_dtype=D,
+        method="eigen",
+        eigen_outer_product=outer,
+        damping_mode="relative",
+    )
+    b.allocate_second_order()
+    b.fold(spd(A_SIZE) * 50.0, spd(G_SIZE) * 1e-3, 0.0)
+    for which in ("a", "g"):
+        b.decompose(which, 0.1)  # type: ignore[arg-type]
+    b.finish_update(0.1)
+    a, g = b.sides["a"], b.sides["g"]
+    da, dg = a.scaled_state()[1], g.scaled_state()[1]
+    for got, side_ in ((da, a), (dg, g)):
+        values = side_.state[1]
+        assert torch.equal(got, values / values.mean().clamp(min=torch.finfo(D).tiny))
+    grad = torch.randn(G_SIZE, A_SIZE, dtype=D)
+    qa, qg = a.state[0], g.state[0]
+    expected = precondition_eigen(grad, qa, qg, da=da, dg=dg, damping=0.1)
+    torch.testing.assert_close(b.precondition(grad, 0.1), expected, rtol=1e-12, atol=0)
