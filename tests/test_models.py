@@ -53,6 +53,13 @@ def linear_params(d_in: int, d_out: int) -> int:
             (2, 10),
         ),
         ("transformer", {}, torch.randint(0, 1000, (2, 16)), (2, 2)),
+        ("gpt", {}, torch.randint(0, 256, (2, 64)), (2, 64, 256)),
+        (
+            "gpt",
+            {"tied_head": True, "fused_qkv": False},
+            torch.randint(0, 256, (3, 5)),
+            (3, 5, 256),
+        ),
         (
             "transformer",
             {"vocab_size": 50, "num_classes": 3, "d_model": 32, "num_heads": 2, "max_len": 8},
@@ -143,7 +150,8 @@ def test_transformer_padding_mask_ignores_padding() -> None:
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_deterministic_under_seed(name: str) -> None:
-    x = torch.randint(0, 100, (2, 8)) if name == "transformer" else torch.randn(2, 1, 28, 28)
+    tokens = name in ("transformer", "gpt")
+    x = torch.randint(0, 100, (2, 8)) if tokens else torch.randn(2, 1, 28, 28)
     if name.startswith("resnet"):
         x = torch.randn(2, 3, 32, 32)
     outputs = []
@@ -179,6 +187,8 @@ def test_unknown_name_lists_allowed() -> None:
         (lambda: TransformerClassifier(d_model=30, num_heads=4), "divisible"),
         (lambda: TransformerClassifier(num_layers=0), "num_layers"),
         (lambda: TransformerClassifier(dropout=1.0), "dropout"),
+        (lambda: build_model("gpt", d_model=100, n_head=3), "divisible"),
+        (lambda: build_model("gpt", context=0), "context"),
     ],
 )
 def test_bad_arguments_raise(build: Callable[[], nn.Module], argument: str) -> None:

@@ -4,7 +4,8 @@
 to the constructor (e.g. ``build_model("gap_cnn", width=16)``). ``ViT``
 (``"vit"``) is the one built from stock ``torch.nn`` Transformer modules
 (``nn.TransformerEncoder``, hence ``nn.MultiheadAttention``) rather than
-designed for K-FAC.
+designed for K-FAC; ``GPT`` (``"gpt"``) is a byte-level decoder written the
+way GPT-style language models usually are.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from collections.abc import Callable
 from torch import nn
 
 from kaisa.models.cnn import GapCNN, SmallCNN
+from kaisa.models.gpt import GPT
 from kaisa.models.resnet import BasicBlock, CifarResNet, cifar_resnet, resnet20, resnet32
 from kaisa.models.transformer import TransformerClassifier
 from kaisa.models.vit import ViT
 
 __all__ = [
+    "GPT",
     "MODEL_NAMES",
     "BasicBlock",
     "CifarResNet",
@@ -39,6 +42,7 @@ _BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "gap_cnn": GapCNN,
     "transformer": TransformerClassifier,
     "vit": ViT,
+    "gpt": GPT,
 }
 
 MODEL_NAMES: tuple[str, ...] = tuple(_BUILDERS)
