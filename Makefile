@@ -64,7 +64,14 @@ DEMO := $(VENV)/bin/kaisa demo --data-dir $(DATA_DIR) --nproc $(NPROC) --out $(O
 
 .PHONY: data demo demo-quick
 
-# Fashion-MNIST from Debian's package, installed only when the files are missing.
+# The suite's data from Debian's packages, each installed only when it is missing:
+# Fashion-MNIST (the image workloads) and the fortunes text corpus (the gpt
+# workload; $KAISA_TEXT_DIR, read by `kaisa demo` too, names another directory
+# of such text files).
+TEXT_PKG := fortunes
+TEXT_DEFAULT := /usr/share/games/fortunes
+TEXT_DIR := $(or $(KAISA_TEXT_DIR),$(TEXT_DEFAULT))
+
 data:
 	@missing=""; for f in $(FASHION_MNIST_FILES); do \
 		[ -f "$(DATA_DIR)/$$f" ] || missing="$$missing $$f"; \
@@ -81,6 +88,21 @@ data:
 		echo "Fashion-MNIST is missing from $(DATA_DIR). Install it as root with:" >&2; \
 		echo "    apt-get update && apt-get install -y $(FASHION_MNIST_PKG)" >&2; \
 		echo "(or: sudo apt-get update && sudo apt-get install -y $(FASHION_MNIST_PKG)), then run make again." >&2; \
+		exit 1; \
+	fi
+	@if find "$(TEXT_DIR)" -maxdepth 1 -type f ! -name '*.dat' ! -name '*.u8' ! -name '.*' \
+		2>/dev/null | grep -q .; then \
+		echo "fortunes text corpus: $(TEXT_DIR)"; \
+	elif [ "$(TEXT_DIR)" != "$(TEXT_DEFAULT)" ]; then \
+		echo "No text files in KAISA_TEXT_DIR=$(TEXT_DIR)" >&2; \
+		exit 1; \
+	elif [ "$$(id -u)" = "0" ]; then \
+		echo "fortunes text corpus missing: installing the Debian package $(TEXT_PKG)"; \
+		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y $(TEXT_PKG); \
+	else \
+		echo "The fortunes text corpus is missing from $(TEXT_DIR). Install it as root with:" >&2; \
+		echo "    apt-get update && apt-get install -y $(TEXT_PKG)" >&2; \
+		echo "(or: sudo apt-get update && sudo apt-get install -y $(TEXT_PKG)), then run make again." >&2; \
 		exit 1; \
 	fi
 
