@@ -7,8 +7,7 @@ value names the hyperparameter and the step.
 
 from __future__ import annotations
 
-# Rule: re-exported until the front door's split lands (issue 28); kaisa.options imports it here.
-from kaisa.validation import Rule as Rule
+from kaisa.validation import Rule
 
 
 class Hyperparameter:

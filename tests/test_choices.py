@@ -8,7 +8,7 @@ import pytest
 from torch import nn
 
 import kaisa
-from kaisa import choices
+from kaisa import choices, validation
 from kaisa.cli.plan import _parser as plan_parser
 from kaisa.demo.cli import _parser as demo_parser
 from kaisa.distributed.plan import resolve_grad_workers
@@ -60,6 +60,6 @@ def test_every_named_fraction_resolves_and_others_are_refused_naming_them() -> N
 
 
 def test_one_of_lowercases_and_names_the_argument() -> None:
-    assert choices.one_of("compute_method", "EIGEN", choices.COMPUTE_METHODS) == "eigen"
+    assert validation.one_of("compute_method", "EIGEN", choices.COMPUTE_METHODS) == "eigen"
     with pytest.raises(ValueError, match="compute_method must be one of 'eigen', 'inverse'"):
-        choices.one_of("compute_method", 3, choices.COMPUTE_METHODS)
+        validation.one_of("compute_method", 3, choices.COMPUTE_METHODS)

@@ -15,7 +15,6 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kaisa import validation
 from kaisa.validation import (
     Rule,
     check_count,
@@ -219,15 +218,6 @@ def test_check_tensor_casts_and_moves_without_touching_its_input() -> None:
     assert value.dtype == torch.float64
     same = check_tensor(value, "x", (2, 3), CPU, None)
     assert same.dtype == torch.float64
-
-
-def test_the_old_homes_still_answer_until_the_split() -> None:
-    from kaisa import choices, schedules
-    from kaisa.curvature import block
-
-    assert schedules.Rule is validation.Rule
-    assert choices.one_of is validation.one_of
-    assert block.check_count is validation.check_count
 
 
 def test_importing_the_checks_does_not_import_torch() -> None:

@@ -26,7 +26,6 @@ from typing import Literal
 
 __all__ = [
     "DEFAULT_COST_MODEL",
-    "EIGH_COST",
     "OVERSAMPLING",
     "SIDE_KINDS",
     "SUBSPACE_ITERATIONS",
@@ -105,10 +104,6 @@ class CostModel:
 #: The weights the automatic choice uses unless given others (see
 #: :class:`CostModel` for what each one means).
 DEFAULT_COST_MODEL = CostModel()
-#: ``DEFAULT_COST_MODEL.eigh`` under its former name, kept while
-#: :mod:`kaisa.distributed.plan` and :mod:`kaisa.curvature.representations`
-#: import it; new code reads the cost model.
-EIGH_COST = DEFAULT_COST_MODEL.eigh
 
 
 def check_cost_model(cost_model: object) -> CostModel:

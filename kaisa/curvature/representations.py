@@ -46,7 +46,6 @@ import torch
 
 from kaisa.choices import COMPUTE_METHODS
 from kaisa.curvature.costs import (
-    EIGH_COST,
     OVERSAMPLING,
     SIDE_KINDS,
     SUBSPACE_ITERATIONS,
@@ -59,7 +58,6 @@ from kaisa.curvature.costs import (
 from kaisa.validation import one_of
 
 __all__ = [
-    "EIGH_COST",
     "OVERSAMPLING",
     "SIDE_KINDS",
     "SUBSPACE_ITERATIONS",

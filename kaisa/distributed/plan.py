@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kaisa.choices import ASSIGNMENT_STRATEGIES, NAMED_FRACTIONS, AssignmentStrategy
-from kaisa.curvature.costs import EIGH_COST, SideSpec, side_cost
+from kaisa.curvature.costs import DEFAULT_COST_MODEL, SideSpec, side_cost
 from kaisa.validation import check_count, one_of
 
 FractionSpec = float | str
@@ -173,7 +173,9 @@ def _cost_fn(strategy: AssignmentStrategy) -> Callable[[int, str], float]:
         if parsed.kind == "exact":
             return float(n) ** (3 if strategy == "compute" else 2)
         side = side_cost(parsed, n)
-        return side.refresh / EIGH_COST if strategy == "compute" else float(side.state)
+        return (
+            side.refresh / DEFAULT_COST_MODEL.eigh if strategy == "compute" else float(side.state)
+        )
 
     return cost
 

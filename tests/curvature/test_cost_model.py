@@ -17,7 +17,6 @@ import pytest
 
 from kaisa.curvature.costs import (
     DEFAULT_COST_MODEL,
-    EIGH_COST,
     OVERSAMPLING,
     SUBSPACE_ITERATIONS,
     CostModel,
@@ -34,7 +33,6 @@ def test_the_default_weights() -> None:
         "apply": 2.0,
     }
     assert CostModel() == DEFAULT_COST_MODEL
-    assert DEFAULT_COST_MODEL.eigh == EIGH_COST  # the former name, still imported elsewhere
     with pytest.raises(dataclasses.FrozenInstanceError):
         DEFAULT_COST_MODEL.eigh = 1.0  # type: ignore[misc]
 
