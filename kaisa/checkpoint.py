@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from kaisa.autochoice import FixedSides
-from kaisa.choices import COMPUTE_METHODS, DAMPING_MODES, FACTOR_INITS
+from kaisa.choices import COMPUTE_METHODS, DAMPING_MODES, EIGEN_CORRECTIONS, FACTOR_INITS
 from kaisa.curvature.block import BlockLayout, CheckedBlockState, check_block_state
 from kaisa.curvature.budget import BudgetChoice
 from kaisa.curvature.costs import SideSpec
@@ -67,11 +67,19 @@ STATE_OPTIONS: dict[str, tuple[object, ...]] = {
     "damping_mode": DAMPING_MODES,
     "compute_eigenvalue_outer_product": (True, False),
     "factor_init": FACTOR_INITS,
+    "eigenvalue_correction": EIGEN_CORRECTIONS,
 }
+#: Options a checkpoint may lack (written before they existed), with the value they had.
+_OPTIONAL_OPTIONS: dict[str, object] = {"eigenvalue_correction": "off"}
 #: Options that shape the second-order state: another value in a checkpoint is
 #: converted (the state is recomputed from the factors). ``factor_init`` only
 #: steers later updates of the factors and is accepted as it is.
-_CONVERTIBLE = ("compute_method", "damping_mode", "compute_eigenvalue_outer_product")
+_CONVERTIBLE = (
+    "compute_method",
+    "damping_mode",
+    "compute_eigenvalue_outer_product",
+    "eigenvalue_correction",
+)
 
 
 @dataclass(frozen=True)
@@ -162,11 +170,13 @@ def _saved_options(saved: object) -> dict[str, object]:
     where = "state_dict 'options'"
     if not isinstance(saved, Mapping):
         raise TypeError(f"{where} must be a dict; got {type(saved).__name__}")
-    missing, unexpected = key_differences(saved, list(STATE_OPTIONS))
+    required = [name for name in STATE_OPTIONS if name not in _OPTIONAL_OPTIONS]
+    missing, unexpected = key_differences(saved, required, optional=list(_OPTIONAL_OPTIONS))
     if missing or unexpected:
         raise ValueError(
             f"{where} is malformed: missing {missing}, unexpected [{', '.join(unexpected)}]"
         )
+    saved = {**_OPTIONAL_OPTIONS, **saved}
     for name, allowed in STATE_OPTIONS.items():
         value = saved[name]
         if type(value) is not type(allowed[0]):
@@ -317,8 +327,10 @@ def read_state(state_dict: object, target: CheckpointTarget) -> Restore:
                 saved_options["compute_method"],
                 saved_options["compute_eigenvalue_outer_product"],
             )
+            correction = saved_options["eigenvalue_correction"] != "off"
         else:
             method, outer = _legacy_method(saved, options.compute_method)
+            correction = False
         layout = BlockLayout(
             layer.name,
             layer.a_size,
@@ -329,6 +341,7 @@ def read_state(state_dict: object, target: CheckpointTarget) -> Restore:
             device=layer.device,
             factor_dtype=target.factor_dtype,
             inv_dtype=target.inv_dtype,
+            correction=correction,
         )
         works_here = plan.is_grad_worker(layer.name, target.rank)
         checked = check_block_state(saved, layout, legacy=legacy, second_order=keep and works_here)

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-# re-exported until the front door's split lands (issue 28): kaisa.options imports it here.
-from kaisa.validation import one_of as one_of
-
 ComputeMethod = Literal["eigen", "inverse"]
 """How a factor is solved: an eigendecomposition, or the damped inverse."""
 COMPUTE_METHODS: tuple[ComputeMethod, ...] = get_args(ComputeMethod)
@@ -31,6 +28,14 @@ CONV_ESTIMATORS: tuple[ConvEstimator, ...] = get_args(ConvEstimator)
 AssignmentStrategy = Literal["compute", "memory"]
 """What the plan balances across ranks: decomposition time or memory."""
 ASSIGNMENT_STRATEGIES: tuple[AssignmentStrategy, ...] = get_args(AssignmentStrategy)
+
+EigenCorrection = Literal["off", "adam"]
+"""Eigenvalue correction of exact layers: none, or Adam's second moment in the eigenbasis."""
+EIGEN_CORRECTIONS: tuple[EigenCorrection, ...] = get_args(EigenCorrection)
+
+Grafting = Literal["off", "layer"]
+"""Whether each layer's preconditioned gradient takes the raw gradient's norm."""
+GRAFTINGS: tuple[Grafting, ...] = get_args(Grafting)
 
 NamedFraction = Literal["comm-opt", "hybrid-opt", "mem-opt"]
 """The gradient-worker fractions with names (KAISA's three strategies)."""

@@ -20,18 +20,22 @@ from kaisa.choices import (
     COMPUTE_METHODS,
     CONV_ESTIMATORS,
     DAMPING_MODES,
+    EIGEN_CORRECTIONS,
     FACTOR_INITS,
+    GRAFTINGS,
     AssignmentStrategy,
     ComputeMethod,
     ConvEstimator,
     DampingMode,
+    EigenCorrection,
     FactorInit,
-    one_of,
+    Grafting,
 )
 from kaisa.curvature.budget import MIN_FACTOR_STEPS, MIN_INV_STEPS
 from kaisa.curvature.costs import SideSpec
 from kaisa.distributed.plan import FractionSpec, resolve_grad_workers
-from kaisa.schedules import Hyperparameter, Rule
+from kaisa.schedules import Hyperparameter
+from kaisa.validation import Rule, check_dtype, check_flag, check_number, one_of
 
 #: Options left to the automatic choice when given as ``None``.
 AUTO_OPTIONS = ("factor_update_steps", "inv_update_steps", "factor_decay")
@@ -111,26 +115,6 @@ def _curvature_rules(value: object) -> tuple[tuple[str, FixedSides], ...]:
         "'diagonal'), a pair (A, G) of them, or a mapping from layer-name regular "
         f"expressions to those; got {value!r}"
     )
-
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False; got {value!r}")
-    return value
-
-
-def _dtype(name: str, value: object, allow_none: bool = True) -> torch.dtype | None:
-    if value is None and allow_none:
-        return None
-    if not isinstance(value, torch.dtype) or value not in _FLOAT_DTYPES:
-        raise TypeError(
-            f"{name} must be a floating torch.dtype ({', '.join(map(str, _FLOAT_DTYPES))})"
-            f"{' or None' if allow_none else ''}; got {value!r}"
-        )
-    return value
 
 
 #: The smallest damping accepted. Below it damping cannot regularise a solve
@@ -243,6 +227,17 @@ class KFACOptions:
             multiply-adds suggest (:func:`kaisa.curvature.budget.time_scale`;
             maxima over the ranks, so every rank chooses alike). ``False``:
             the cost model alone, the same choice on every machine.
+        eigenvalue_correction: 'off' (K-FAC's eigenvalue products) or 'adam':
+            layers whose both sides are exact (eigen method) divide the
+            rotated gradient by ``√S``, ``S`` a running average of its square
+            in the Kronecker eigenbasis refreshed every step (Adam's second
+            moment in that basis; :mod:`kaisa.curvature.eigencorrection`,
+            spec §11). Other layers solve as before.
+        eigenvalue_decay: the decay ``ξ`` of ``S`` per step, in ``[0, 1)``.
+        grafting: 'off', or 'layer': each layer's preconditioned gradient is
+            rescaled to the raw gradient's Frobenius norm before KL clipping,
+            so kaisa keeps the step size the optimizer behind it was tuned for
+            and gives only the direction.
         process_group: the data-parallel group over which this model's layers
             are replicated (default: the whole world). KAISA's plan, its
             collectives and the agreement check span this group only, so
@@ -284,6 +279,9 @@ class KFACOptions:
     curvature: Any = "auto"
     time_budget: float = 0.1
     calibrate_budget: bool = True
+    eigenvalue_correction: EigenCorrection = "off"
+    eigenvalue_decay: float = 0.95
+    grafting: Grafting = "off"
     # Derived, validated views.
     hyper: Mapping[str, Hyperparameter] = field(init=False, repr=False, compare=False)
     #: Which of :data:`AUTO_OPTIONS` were left to the automatic choice.
@@ -358,6 +356,13 @@ class KFACOptions:
             "factor_init",
             one_of("factor_init", self.factor_init, FACTOR_INITS),
         )
+        set_(
+            self,
+            "eigenvalue_correction",
+            one_of("eigenvalue_correction", self.eigenvalue_correction, EIGEN_CORRECTIONS),
+        )
+        set_(self, "grafting", one_of("grafting", self.grafting, GRAFTINGS))
+        check_number(self.eigenvalue_decay, "eigenvalue_decay", low=0.0, high=1.0, high_open=True)
         for name in (
             "colocate_factors",
             "compute_eigenvalue_outer_product",
@@ -365,7 +370,7 @@ class KFACOptions:
             "update_factors_in_hook",
             "calibrate_budget",
         ):
-            _flag(name, getattr(self, name))
+            check_flag(name, getattr(self, name))
         # The fraction is checked against every world size later; here its form.
         resolve_grad_workers(self.grad_worker_fraction, 1)
         scaler = self.grad_scaler
@@ -374,9 +379,9 @@ class KFACOptions:
                 "grad_scaler must be a torch.amp.GradScaler, a callable returning the current "
                 f"loss scale, or None; got {scaler!r}"
             )
-        _dtype("factor_dtype", self.factor_dtype)
-        _dtype("inv_dtype", self.inv_dtype)
-        _dtype("factor_product_dtype", self.factor_product_dtype)
+        check_dtype("factor_dtype", self.factor_dtype)
+        check_dtype("inv_dtype", self.inv_dtype)
+        check_dtype("factor_product_dtype", self.factor_product_dtype)
         skip = self.skip_layers
         if skip is None:
             skip = ()

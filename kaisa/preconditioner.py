@@ -29,6 +29,7 @@ from kaisa.checkpoint import CheckpointTarget, LayerSlot, read_state, write_stat
 from kaisa.curvature.block import OUTLIER_PATIENCE, OUTLIER_RATIO, KroneckerBlock
 from kaisa.curvature.budget import BudgetChoice
 from kaisa.curvature.fold import fold_batch
+from kaisa.curvature.grafting import graft
 from kaisa.curvature.linalg import kl_clip_scale
 from kaisa.distributed.agreement import agreement_digest, check_agreement
 from kaisa.distributed.comm import (
@@ -186,6 +187,9 @@ class KFACPreconditioner:
         curvature: str | tuple[str, str] | Mapping[str, str | tuple[str, str]] = "auto",
         time_budget: float = 0.1,
         calibrate_budget: bool = True,
+        eigenvalue_correction: str = "off",
+        eigenvalue_decay: float = 0.95,
+        grafting: str = "off",
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -332,6 +336,8 @@ class KFACPreconditioner:
             factor_init=o.factor_init,
             a_spec=specs[0],
             g_spec=specs[1],
+            correction=o.eigenvalue_correction,
+            correction_decay=o.eigenvalue_decay,
         )
 
     def _layout(self) -> dict[str, tuple[tuple[PayloadKey, int], ...]]:
@@ -594,6 +600,9 @@ class KFACPreconditioner:
                     + _NO_GRADIENT_CAUSES
                 )
         self.comm.broadcast_gradients(sends)
+        if self.options.grafting == "layer":
+            for _, preconditioned, grad in pairs:
+                graft(preconditioned, grad)
         scale = 1.0
         if hyper.kl_clip is not None:
             with self.telemetry.timer("kl_clip"):

@@ -656,6 +656,7 @@ def test_a_mixed_preconditioner_round_trips_bit_identically() -> None:
         "damping_mode": "relative",
         "compute_eigenvalue_outer_product": True,
         "factor_init": "first_batch",
+        "eigenvalue_correction": "off",
     }
     assert set(state["layers"]["fc1"]) >= {"second_order", "warm_start"}
     assert "outer_inverse" in state["layers"]["fc3"]

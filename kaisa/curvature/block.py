@@ -18,7 +18,8 @@ from typing import Literal
 
 import torch
 
-from kaisa.choices import ComputeMethod, DampingMode, FactorInit
+from kaisa.choices import ComputeMethod, DampingMode, EigenCorrection, FactorInit
+from kaisa.curvature.eigencorrection import EigenScales, correction_power
 from kaisa.curvature.linalg import (
     DecompositionError,
     eigen_outer_inverse,
@@ -34,11 +35,7 @@ from kaisa.curvature.representations import (
     make_side,
     split_damping,
 )
-
-# check_count: re-exported until the front door's split lands (issue 28); kaisa.preconditioner
-# imports it here.
-from kaisa.validation import check_count as check_count
-from kaisa.validation import check_tensor
+from kaisa.validation import check_count, check_tensor
 from kaisa.warn import warn
 
 Factor = Literal["a", "g"]
@@ -116,6 +113,8 @@ class KroneckerBlock:
         factor_init: FactorInit = "identity",
         a_spec: SideSpec | str = "exact",
         g_spec: SideSpec | str = "exact",
+        correction: EigenCorrection = "off",
+        correction_decay: float = 0.95,
     ) -> None:
         self.name = name
         self.damping_mode: DampingMode = damping_mode
@@ -132,7 +131,15 @@ class KroneckerBlock:
         #: Both sides exact: spec §4's exact solve (eigen or inverse).
         self.exact = all(spec.kind == "exact" for spec in specs.values())
         side_method = method if self.exact else "eigen"
-        self.eigen_outer_product = eigen_outer_product and self.exact and method == "eigen"
+        #: Eigenvalue correction (``'ekfac'``, ``'adam'``) of an all-exact eigen
+        #: layer; ``'off'`` for every other layer (spec §11).
+        self.correction: EigenCorrection = correction if self.exact and method == "eigen" else "off"
+        self.correction_decay = correction_decay
+        self.eigen_outer_product = (
+            eigen_outer_product and self.exact and method == "eigen" and self.correction == "off"
+        )
+        #: ``S`` of the corrected solve, on the ranks that precondition the layer.
+        self.eigen_scales: EigenScales | None = None
         self.sides: dict[Factor, Side] = {}
         for which, size in (("a", a_size), ("g", g_size)):
             spec = specs[which]
@@ -216,7 +223,10 @@ class KroneckerBlock:
         return {which: side.state for which, side in self.sides.items() if side.state}
 
     def allocate_second_order(self) -> None:
-        """Give this rank second-order state: that of the identity factors."""
+        """Give this rank second-order state: that of the identity factors (and ``S = 0``)."""
+        if self.correction != "off" and self.eigen_scales is None:
+            device = self.sides["a"].factor.device
+            self.eigen_scales = EigenScales.zeros(self.g_size, self.a_size, device, self.inv_dtype)
         if self.has_second_order:
             return
         for side in self.sides.values():
@@ -281,6 +291,16 @@ class KroneckerBlock:
         a, g = self._exact_sides()
         if self.method == "eigen":
             qa, qg = a.eigen[0], g.eigen[0]
+            if self.eigen_scales is not None:
+                return self.eigen_scales.solve(
+                    grad,
+                    qa,
+                    qg,
+                    damping,
+                    self.correction_decay,
+                    correction_power(self.correction),
+                    relative=self.damping_mode == "relative",
+                )
             if self.outer_inverse is not None:
                 return precondition_eigen(grad, qa, qg, outer_inverse=self.outer_inverse)
             dg, da = self._eigenvalues()
@@ -295,6 +315,8 @@ class KroneckerBlock:
         total = sum(side.state_bytes() for side in self.sides.values())
         if self.outer_inverse is not None:
             total += self.outer_inverse.numel() * self.outer_inverse.element_size()
+        if self.eigen_scales is not None:
+            total += self.eigen_scales.nbytes()
         return total
 
     def state_dict(self) -> dict[str, object]:
@@ -311,6 +333,9 @@ class KroneckerBlock:
             }
         if self.outer_inverse is not None:
             state["outer_inverse"] = self.outer_inverse.clone()
+        if self.eigen_scales is not None:
+            state["eigen_scales"] = self.eigen_scales.scales.clone()
+            state["eigen_scale_updates"] = self.eigen_scales.updates
         warm = {
             which: side.warm_basis.clone()
             for which, side in self.sides.items()
@@ -332,6 +357,7 @@ class KroneckerBlock:
             device=self.a.device,
             factor_dtype=self.a.dtype,
             inv_dtype=self.inv_dtype,
+            correction=self.correction != "off",
         )
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
@@ -363,6 +389,13 @@ class KroneckerBlock:
                 self.sides[which].invalidate()
             if checked.outer_inverse is not None:
                 self.outer_inverse = checked.outer_inverse.clone()
+            if self.eigen_scales is not None and checked.eigen_scales is not None:
+                scales, updates = checked.eigen_scales
+                self.eigen_scales.scales.copy_(scales)
+                self.eigen_scales.updates = updates
+            elif self.eigen_scales is not None:  # none saved: S starts again
+                self.eigen_scales.scales.zero_()
+                self.eigen_scales.updates = 0
         elif self.has_second_order:
             for side in self.sides.values():
                 side.state = []
@@ -370,6 +403,9 @@ class KroneckerBlock:
             self.outer_inverse = None
             if self.eigen_outer_product:
                 self.finish_update(0.0)
+            if self.eigen_scales is not None:
+                self.eigen_scales.scales.zero_()
+                self.eigen_scales.updates = 0
         for which, side in self.sides.items():
             if isinstance(side, LowRankSide):
                 basis = checked.warm_start.get(which)
@@ -387,6 +423,8 @@ _BLOCK_KEYS = (
     "second_order",
     "outer_inverse",
     "warm_start",
+    "eigen_scales",
+    "eigen_scale_updates",
 )
 _REQUIRED_BLOCK_KEYS = ("a", "g", "updates", "representation")
 #: Keys that only checkpoints written before representations hold (ignored).
@@ -413,6 +451,8 @@ class BlockLayout:
     device: torch.device
     factor_dtype: torch.dtype
     inv_dtype: torch.dtype
+    #: The eigenvalue correction is on (spec §11: its ``S`` is second-order state).
+    correction: bool = False
 
     @property
     def exact(self) -> bool:
@@ -425,7 +465,12 @@ class BlockLayout:
     @property
     def outer(self) -> bool:
         """Whether second-order state comes with ``1 ⊘ (λ_G λ_Aᵀ + γ)``."""
-        return self.eigen_outer_product and self.exact and self.method == "eigen"
+        return (
+            self.eigen_outer_product
+            and self.exact
+            and self.method == "eigen"
+            and not self.correction
+        )
 
 
 @dataclass(frozen=True)
@@ -444,6 +489,8 @@ class CheckedBlockState:
     second_order: dict[Factor, list[torch.Tensor]] | None
     outer_inverse: torch.Tensor | None
     warm_start: dict[Factor, torch.Tensor]
+    #: ``(S, updates)`` of the eigenvalue correction, when saved and asked for.
+    eigen_scales: tuple[torch.Tensor, int] | None = None
 
 
 def _keys(state: Mapping[object, object], allowed: Sequence[str], where: str) -> None:
@@ -600,6 +647,30 @@ def check_block_state(
                 device,
                 None,
             )
+    scales: tuple[torch.Tensor, int] | None = None
+    if "eigen_scales" in state or "eigen_scale_updates" in state:
+        if not (layout.correction and layout.exact and layout.method == "eigen"):
+            raise ValueError(
+                f"{where}: the state dict holds eigenvalue-corrected scales ('eigen_scales'), "
+                "which this layer does not use (eigenvalue_correction 'off', or a side that "
+                "is not exact)"
+            )
+        if not has_second:
+            raise ValueError(f"{where}: the state dict holds 'eigen_scales' without 'second_order'")
+        if "eigen_scales" not in state or "eigen_scale_updates" not in state:
+            raise ValueError(
+                f"{where}: the state dict must hold both 'eigen_scales' and 'eigen_scale_updates'"
+            )
+        scales = (
+            check_tensor(
+                state["eigen_scales"],
+                f"{where}: eigenvalue-corrected scales",
+                (layout.g_size, layout.a_size),
+                device,
+                layout.inv_dtype,
+            ),
+            check_count(state["eigen_scale_updates"], f"{where}: 'eigen_scale_updates'"),
+        )
     if not second_order:
-        loaded, outer = None, None
-    return CheckedBlockState(a, g, updates, outliers, has_second, loaded, outer, warm)
+        loaded, outer, scales = None, None, None
+    return CheckedBlockState(a, g, updates, outliers, has_second, loaded, outer, warm, scales)

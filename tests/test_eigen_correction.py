@@ -1,0 +1,150 @@
+"""The eigenvalue correction and grafting through the preconditioner (issue 31, spec §11)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kaisa
+
+OPTIONS = {
+    "curvature": "exact",
+    "factor_update_steps": 2,
+    "inv_update_steps": 4,
+    "calibrate_budget": False,
+}
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+
+
+_TEACHER = torch.randn(6, 3, generator=torch.Generator().manual_seed(7))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and the labels a fixed linear teacher gives them (a task that can be learned)."""
+    x = torch.randn(32, 6, generator=torch.Generator().manual_seed(100 + step))
+    return x, (x @ _TEACHER).argmax(dim=1)
+
+
+def _train(model: nn.Module, pre: kaisa.KFACPreconditioner, steps: range) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for step in steps:
+        optimizer.zero_grad()
+        x, y = _batch(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        pre.step()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_the_corrected_solve_keeps_a_running_average_and_trains() -> None:
+    model = _net()
+    pre = kaisa.KFACPreconditioner(model, eigenvalue_correction="adam", **OPTIONS)
+    losses = _train(model, pre, range(40))
+    assert losses[-1] < 0.8 * losses[0]
+    for layer in pre.layers:
+        state = layer.block.state_dict()
+        assert state["eigen_scale_updates"] == 40
+        scales = state["eigen_scales"]
+        assert isinstance(scales, torch.Tensor) and scales.shape == (layer.g_size, layer.a_size)
+        assert bool((scales >= 0).all()) and bool(scales.sum() > 0)
+    # S is second-order state: counted, and gone without the correction (it
+    # replaces the precomputed eigenvalue outer product, of the same shape).
+    plain = kaisa.KFACPreconditioner(_net(), compute_eigenvalue_outer_product=False, **OPTIONS)
+    with_s = pre.memory_usage()["second_order"]
+    assert with_s - plain.memory_usage()["second_order"] == 4 * (12 * 7 + 3 * 13)
+
+
+def test_a_checkpoint_with_the_corrected_scales_resumes_bit_identically() -> None:
+    model = _net()
+    pre = kaisa.KFACPreconditioner(model, eigenvalue_correction="adam", **OPTIONS)
+    _train(model, pre, range(10))
+    state = copy.deepcopy(pre.state_dict())
+    weights = copy.deepcopy(model.state_dict())
+    _train(model, pre, range(10, 20))
+    expected = [p.detach().clone() for p in model.parameters()]
+    fresh = _net()
+    fresh.load_state_dict(weights)
+    resumed = kaisa.KFACPreconditioner(fresh, eigenvalue_correction="adam", **OPTIONS)
+    resumed.load_state_dict(state)
+    _train(fresh, resumed, range(10, 20))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), expected, strict=True))
+
+
+def test_checkpoints_without_the_option_or_with_stray_scales() -> None:
+    model = _net()
+    pre = kaisa.KFACPreconditioner(model, **OPTIONS)
+    _train(model, pre, range(4))
+    state = pre.state_dict()
+    # Written before the option existed: read as 'off'.
+    del state["options"]["eigenvalue_correction"]
+    kaisa.KFACPreconditioner(_net(), **OPTIONS).load_state_dict(state)
+    # Into a corrected preconditioner: converted, S starts afresh.
+    corrected = kaisa.KFACPreconditioner(_net(), eigenvalue_correction="adam", **OPTIONS)
+    with pytest.warns(RuntimeWarning, match="eigenvalue_correction='off'"):
+        corrected.load_state_dict(state)
+    assert corrected.inverse_update_due
+    # Scales in a layer that does not use them are refused, naming the layer.
+    state["layers"]["0"]["eigen_scales"] = torch.zeros(12, 7)
+    state["layers"]["0"]["eigen_scale_updates"] = 3
+    target = kaisa.KFACPreconditioner(_net(), **OPTIONS)
+    with pytest.raises(ValueError, match=r"layer '0'.*eigen_scales"):
+        target.load_state_dict(state)
+
+
+def test_the_correction_applies_to_exact_layers_only() -> None:
+    model = _net()
+    pre = kaisa.KFACPreconditioner(
+        model,
+        eigenvalue_correction="adam",
+        **{**OPTIONS, "curvature": {"^0$": "exact", "^2$": ("exact", "diagonal")}},
+    )
+    _train(model, pre, range(3))
+    states = {layer.name: layer.block.state_dict() for layer in pre.layers}
+    assert "eigen_scales" in states["0"] and "eigen_scales" not in states["2"]
+
+
+@pytest.mark.parametrize("correction", ["off", "adam"])
+def test_grafting_gives_each_layer_the_raw_gradient_norm(correction: str) -> None:
+    model = _net()
+    pre = kaisa.KFACPreconditioner(
+        model, grafting="layer", kl_clip=None, eigenvalue_correction=correction, **OPTIONS
+    )
+    for step in range(3):
+        model.zero_grad()
+        x, y = _batch(step)
+        F.cross_entropy(model(x), y).backward()
+        raw = [layer.handler.grad_matrix() for layer in pre.layers]
+        pre.step()
+        for layer, before in zip(pre.layers, raw, strict=True):
+            after = layer.handler.grad_matrix()
+            assert before is not None and after is not None
+            torch.testing.assert_close(after.norm(), before.norm(), rtol=1e-5, atol=0.0)
+            assert not torch.allclose(after, before)  # the direction is K-FAC's
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"eigenvalue_correction": "ekfac"}, ValueError, "eigenvalue_correction must be one of"),
+        ({"eigenvalue_correction": None}, ValueError, "eigenvalue_correction must be one of"),
+        ({"grafting": "global"}, ValueError, "grafting must be one of 'off', 'layer'"),
+        ({"eigenvalue_decay": 1.0}, ValueError, "eigenvalue_decay must be a number >= 0 and < 1"),
+        ({"eigenvalue_decay": "0.9"}, TypeError, "eigenvalue_decay must be a number"),
+    ],
+)
+def test_bad_options_are_refused_by_name(
+    options: dict[str, object], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        kaisa.KFACPreconditioner(_net(), **options)  # type: ignore[arg-type]
