@@ -22,10 +22,22 @@ accuracy. An entry whose best LR is at the end of the grid says so
 ``suite_lrs.json`` (2026-11-24) came from three points per family around
 the fallback table (SGD and kaisa-sgd 0.025-0.1 or 0.05-0.2, AdamW, SOAP and
 kaisa-adamw 1e-3-4e-3, Muon 0.01-0.04), widened that way; none is at an
-edge. ::
+edge.
+
+The language model (``--workloads gpt``) sweeps the same way on its own
+data (``--text-dir``, default the ``fortunes`` package's directory) with its
+own batch (16 windows of 64 bytes), step budget (1500), evaluation interval
+(50) and metric: "the target" is a validation loss in nats per byte reached
+at or below it, and ties on steps go to the lower loss at the stop. Its
+grids are :data:`SUITE_GRIDS` too (its unswept fallback LRs, SGD 0.3, AdamW,
+SOAP and kaisa-adamw 3e-3, Muon 0.02, lie inside them); Muon's AdamW group
+runs at the workload's ratio (0.15 for gpt). ``--batch-size``,
+``--warmup-epochs`` and ``--eval-every`` replace the workloads' only when
+given. ::
 
     python benchmarks/lr_sweep.py --suite                          # everything (hours)
     python benchmarks/lr_sweep.py --suite --workloads gap_cnn --arms sgd,kaisa-sgd
+    python benchmarks/lr_sweep.py --suite --workloads gpt            # the language model
     python benchmarks/lr_sweep.py --suite --write-lrs              # rebuild suite_lrs.json only
     # a smoke check (tiny data, two LRs, one epoch, files under /tmp):
     python benchmarks/lr_sweep.py --suite --data-dir DIR --epochs 1 --lrs 0.01,0.1 \
@@ -80,14 +92,16 @@ from kaisa.demo.config import (
     ARM_NAMES,
     DEFAULT_LR_FILE,
     DEFAULT_WORKLOADS,
+    METRICS,
     WORKLOADS,
     ArmConfig,
     DemoConfig,
     KfacConfig,
     base_arm,
 )
-from kaisa.demo.data import DEFAULT_DATA_DIR, FashionMNIST, load_fashion_mnist
-from kaisa.demo.train import kfac_options, train_arm
+from kaisa.demo.data import load_fashion_mnist
+from kaisa.demo.datasets import Dataset, DatasetKey, default_directory, load_dataset
+from kaisa.demo.train import build_demo_model, kfac_options, train_arm
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_OUT = RESULTS / "lr_sweep.json"
@@ -279,28 +293,37 @@ def report(path: Path, target: float | None) -> int:
 
 
 def _suite_config(args: argparse.Namespace, workload: str, arm: str, lr: float) -> DemoConfig:
-    """The demo's own configuration of ``arm`` on ``workload`` at peak ``lr``, seed loop aside."""
-    argv = ["--data-dir", args.data_dir, "--workload", workload, "--arms", arm,
-            "--lr", f"{arm}={lr!r}", "--threads", str(args.threads), "--no-progress",
-            "--stop-at-target", "--out", str(args.out.parent),
-            "--eval-every", str(args.eval_every), "--batch-size", str(args.batch_size),
-            "--warmup-epochs", str(args.warmup_epochs)]  # fmt: skip
-    if args.epochs is not None:
-        argv += ["--epochs", str(args.epochs)]
-    if args.target is not None:
-        argv += ["--target", str(args.target)]
+    """The demo's own configuration of ``arm`` on ``workload`` at peak ``lr``, seed loop aside.
+
+    The workload's batch, warm-up and evaluation interval unless the options
+    replace them.
+    """
+    argv = ["--data-dir", args.data_dir, "--text-dir", args.text_dir, "--workload", workload,
+            "--arms", arm, "--lr", f"{arm}={lr!r}", "--threads", str(args.threads),
+            "--no-progress", "--stop-at-target", "--out", str(args.out.parent)]  # fmt: skip
+    for flag, value in (
+        ("--eval-every", args.eval_every),
+        ("--batch-size", args.batch_size),
+        ("--warmup-epochs", args.warmup_epochs),
+        ("--epochs", args.epochs),
+        ("--target", args.target),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
     return build_config(parse_args(argv)).workloads[0]
 
 
-def _resolved_kfac(config: DemoConfig, data: FashionMNIST) -> dict[str, Any]:
+def _resolved_kfac(config: DemoConfig, data: Dataset) -> dict[str, Any]:
     """The K-FAC options a kaisa arm runs with today (library defaults plus overrides)."""
     from kaisa import KFACPreconditioner
-    from kaisa.demo.train import build_demo_model
 
     arm = config.arms[0]
     if arm.kfac is None:
         return {}
-    model = build_demo_model(config.model, data.image_shape)
+    if config.dataset == "fortunes":
+        model = build_demo_model(config.model, context=config.context)
+    else:
+        model = build_demo_model(config.model, data.image_shape)  # type: ignore[union-attr]
     pre = KFACPreconditioner(model, lr=arm.lr, **arm.kfac.overrides())
     pre.remove_hooks()
     # The arm's learning rate is in its hyperparameters; here it would tie every
@@ -309,17 +332,35 @@ def _resolved_kfac(config: DemoConfig, data: FashionMNIST) -> dict[str, Any]:
 
 
 def _suite_settings(config: DemoConfig) -> dict[str, Any]:
+    """What identifies a sweep run's settings (an image workload's keys are as they always were)."""
+    if config.metric == "accuracy":
+        return {
+            "workload": config.name,
+            "model": config.model,
+            "epochs": config.epochs,
+            "batch_size": config.batch_size,
+            "warmup_epochs": config.warmup_epochs,
+            "target_accuracy": config.target,
+            "eval_every": config.eval_every,
+            "threads": config.threads,
+            "stop_at_target": True,
+            "channels_last": config.channels_last,
+        }
     return {
         "workload": config.name,
         "model": config.model,
+        "dataset": config.dataset,
         "epochs": config.epochs,
+        "max_steps": config.max_steps,
         "batch_size": config.batch_size,
+        "context": config.context,
         "warmup_epochs": config.warmup_epochs,
-        "target_accuracy": config.target_accuracy,
+        "warmup_steps": config.warmup_steps,
+        "metric": config.metric,
+        "target": config.target,
         "eval_every": config.eval_every,
         "threads": config.threads,
         "stop_at_target": True,
-        "channels_last": config.channels_last,
     }
 
 
@@ -332,16 +373,20 @@ def _suite_key(rec: dict[str, Any]) -> str:
 
 
 def _suite_rank(row: dict[str, Any]) -> tuple[float, float, float]:
-    """Fewest steps to the target, then higher accuracy at the stop, then less time.
+    """Fewest steps to the target, then the better metric at the stop, then less time.
 
-    A learning rate that never reached the target has infinite steps and ranks
-    after all that did, by its best accuracy.
+    The metric is the row's ``metric`` (default accuracy, higher is better;
+    a loss ranks lower first). A learning rate that never reached the target
+    has infinite steps and ranks after all that did, by its best value.
     """
+    metric = METRICS[row.get("metric", "accuracy")]
+    sign = -1.0 if metric.higher_is_better else 1.0
+    key = metric.key
     steps = row["steps_to_target"]
     t = row["time_to_target_s"]
     if steps is None:
-        return (math.inf, -row["best_test_accuracy"], math.inf)
-    return (float(steps), -row["final_test_accuracy"], t if t is not None else math.inf)
+        return (math.inf, sign * row[f"best_{key}"], math.inf)
+    return (float(steps), sign * row[f"final_{key}"], t if t is not None else math.inf)
 
 
 def suite_best(
@@ -375,6 +420,8 @@ def suite_best(
     ]
     if not mine:
         return None
+    metric = METRICS[str(settings.get("metric", "accuracy"))]
+    key = metric.key
     by_lr: dict[float, list[dict[str, Any]]] = {}
     for r in mine:
         by_lr.setdefault(float(r["hyperparameters"]["lr"]), []).append(r)
@@ -388,23 +435,23 @@ def suite_best(
         rows.append(
             {
                 "lr": lr,
+                "metric": metric.name,
                 "seeds": sorted(r["seed"] for r in recs),
                 "steps_to_target": None if math.isinf(med_steps) else med_steps,
                 "time_to_target_s": None if math.isinf(med_time) else med_time,
-                "final_test_accuracy": statistics.median(
-                    [r["final_test_accuracy"] for r in results]
-                ),
-                "best_test_accuracy": statistics.median([r["best_test_accuracy"] for r in results]),
+                f"final_{key}": statistics.median([r[f"final_{key}"] for r in results]),
+                f"best_{key}": statistics.median([r[f"best_{key}"] for r in results]),
             }
         )
     rows.sort(key=_suite_rank)
     best = rows[0]
     lrs = sorted(by_lr)
+    at_stop = "accuracy_at_stop" if metric.name == "accuracy" else f"{metric.name}_at_stop"
     return {
         "lr": best["lr"],
         "reached": best["steps_to_target"] is not None,
         "steps_to_target": best["steps_to_target"],
-        "accuracy_at_stop": best["final_test_accuracy"],
+        at_stop: best[f"final_{key}"],
         "at_grid_edge": len(lrs) > 1 and best["lr"] in (lrs[0], lrs[-1]),
         "grid": lrs,
         "by_lr": {
@@ -429,8 +476,8 @@ def _write_lrs(path: Path, entries: dict[tuple[str, str], dict[str, Any]]) -> No
         "per arm, a grid of the arm's family (SUITE_GRIDS in benchmarks/lr_sweep.py, or three "
         "points of it) on seed 0, widened by a factor of 2 at an edge until the best is inside; "
         "each run stopped at the workload's target with the demo's settings; best = fewest "
-        "steps to the target, then accuracy at the stop, then time; never reached ranks last, "
-        "by best accuracy"
+        "steps to the target, then the metric at the stop (higher accuracy; lower validation "
+        "loss for gpt), then time; never reached ranks last, by its best value of the metric"
     )
     lrs = doc.setdefault("lrs", {})
     for (workload, arm), entry in entries.items():
@@ -456,7 +503,7 @@ def suite_main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--arms: {exc}") from None
     seeds = tuple(int(v) for v in args.seeds.split(","))
     torch.set_num_threads(args.threads)
-    data = load_fashion_mnist(args.data_dir)
+    loaded: dict[DatasetKey, Dataset] = {}
     runs = _load(args.out)
     done = {_suite_key(r) for r in runs if r.get("suite")}
     entries: dict[tuple[str, str], dict[str, Any]] = {}
@@ -472,6 +519,10 @@ def suite_main(args: argparse.Namespace) -> int:
                     raise SystemExit(f"lr_sweep.py: {exc}") from None
                 arm = config.arms[0]
                 settings = _suite_settings(config)
+                key = (config.dataset, config.data_dir)
+                if key not in loaded:
+                    loaded[key] = load_dataset(*key)
+                data = loaded[key]
                 if kfac is None and arm.kfac is not None:
                     kfac = _resolved_kfac(config, data)
                 hyper = {k: v for k, v in arm.hyperparameters().items() if k != "lr_source"}
@@ -488,9 +539,9 @@ def suite_main(args: argparse.Namespace) -> int:
                         continue
                     before = machine_info()["load_average_1_5_15"]
                     run = train_arm(data, config, arm, seed, stop_at_target=True)
-                    rec["result"] = run.summary(config.target_accuracy)
+                    rec["result"] = run.summary(config.target)
                     rec["result"]["curve"] = [
-                        [p.step, round(p.train_seconds, 3), round(p.test_accuracy, 4)]
+                        [p.step, round(p.train_seconds, 3), round(p.value(config.metric), 4)]
                         for p in run.points
                     ]
                     rec["optimizer_info"] = run.optimizer_info
@@ -501,10 +552,12 @@ def suite_main(args: argparse.Namespace) -> int:
                     done.add(_suite_key(rec))
                     _save(args.out, runs)
                     r = rec["result"]
+                    metric = config.metric_spec
                     print(
                         f"{workload} {arm_name} lr={lr:g} seed {seed}: steps to "
-                        f"{config.target_accuracy:.1%} {r['steps_to_target'] or '-'}, "
-                        f"accuracy {r['final_test_accuracy']:.4f}, "
+                        f"{metric.target_text(config.target)} {r['steps_to_target'] or '-'}, "
+                        f"{'accuracy' if metric.name == 'accuracy' else 'loss'} "
+                        f"{r[f'final_{metric.key}']:.4f}, "
                         f"{1000 * r['seconds_per_step']:.1f} ms/step, load {before}",
                         flush=True,
                     )
@@ -557,15 +610,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conv-factor-estimator", choices=("expand", "reduce"), default="expand")
     p.add_argument("--model", default="gap_cnn")
     p.add_argument("--epochs", type=int, help="[--suite: the workload's; else 3]")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--warmup-epochs", type=float, default=0.25)
+    p.add_argument("--batch-size", type=int, help="[--suite: the workload's; else 128]")
+    p.add_argument("--warmup-epochs", type=float, help="[--suite: the workload's; else 0.25]")
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--target", type=float, help="[--suite: the workload's; else 0.91]")
-    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, help="[--suite: the workload's; else 100]")
     p.add_argument("--seeds", default="0")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    p.add_argument("--data-dir", default=default_directory("fashion_mnist"))
+    p.add_argument(
+        "--text-dir", default=default_directory("fortunes"), help="--suite: gpt's corpus"
+    )
     p.add_argument(
         "--out", type=Path, help="runs file [--suite: results/suite_sweep.json; else lr_sweep.json]"
     )
@@ -585,6 +641,9 @@ def main(argv: list[str] | None = None) -> int:
     args.lrs = args.lrs or [0.025, 0.05, 0.1, 0.2, 0.4]
     args.epochs = args.epochs or 3
     args.target = args.target or 0.91
+    args.batch_size = args.batch_size or 128
+    args.warmup_epochs = 0.25 if args.warmup_epochs is None else args.warmup_epochs
+    args.eval_every = args.eval_every or 100
 
     torch.set_num_threads(args.threads)
     data = load_fashion_mnist(args.data_dir)
@@ -620,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=args.batch_size,
             warmup_epochs=args.warmup_epochs,
             eval_every=args.eval_every,
-            target_accuracy=args.target,
+            target=args.target,
             seeds=seeds,
             threads=args.threads,
             progress=False,

@@ -1,26 +1,38 @@
-"""Steps to a workload's target for one kaisa arm under explicit K-FAC options.
+"""Steps to a workload's target for one arm, optionally under explicit K-FAC options.
 
 One run per seed, exactly as ``kaisa demo`` runs the arm (same model, data
-order, schedule, evaluation cadence, stop at the target), with keyword
-arguments added to ``kaisa.KFACPreconditioner`` (``--kfac``, JSON) and,
-optionally, an early-refresh schedule (``--early-refresh F,I``: factor and
-inverse intervals 10, 20, 40, … until they reach ``F`` and ``I``). It answers
-"would this option save steps?" before a full suite run; steps to the target
-do not depend on the machine's load (except through the budget's clock
-calibration, whose steps are powers of √2), so two probes may run side by side
-with one thread each. Nothing is asserted. Results, with the automatic
-choice's intervals and clock scale where there is one, are printed and
-appended as JSON lines to ``--out``. ::
+order, schedule, evaluation cadence, stop at the target), for any arm of the
+suite; for the kaisa arms with keyword arguments added to
+``kaisa.KFACPreconditioner`` (``--kfac``, JSON) and, optionally, an
+early-refresh schedule (``--early-refresh F,I``: factor and inverse
+intervals 10, 20, 40, … until they reach ``F`` and ``I``). It answers "would
+this option (or this learning rate) save steps?" before a full suite run;
+steps to the target do not depend on the machine's load (except through the
+budget's clock calibration, whose steps are powers of √2), so two probes may
+run side by side with one thread each. Nothing is asserted. Results, with
+the automatic choice's intervals and clock scale where there is one, are
+printed and appended as JSON lines to ``--out``.
+
+``--lr`` defaults to the demo's own learning rate for the workload and arm
+(the sweep file's, else the fallback table's; the row's ``lr_source`` says
+which). ``--max-steps N`` ends each run after N steps while keeping the full
+budget's learning-rate schedule, so a target reached within N steps is
+reached at the same step as in a full run; ``steps`` is ``null`` when it was
+not reached (``last`` is the metric's value at the last evaluation, the
+stop). Every workload works, the language model (``--workload gpt``, whose
+metric is the validation loss in nats per byte, lower is better) included. ::
 
     python benchmarks/steps_probe.py --workload vit --arm kaisa-adamw --lr 0.008 \\
         --seeds 0,1 --kfac '{"time_budget": 1.0}'
     python benchmarks/steps_probe.py --workload gap_cnn --arm kaisa-sgd --lr 0.05 \\
         --seeds 0,1,2 --early-refresh 40,100
+    python benchmarks/steps_probe.py --workload gpt --arm muon --seeds 0 --max-steps 100
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -32,7 +44,8 @@ import torch
 import kaisa
 from kaisa.demo import train as demo_train
 from kaisa.demo.cli import build_config, parse_args
-from kaisa.demo.data import load_fashion_mnist
+from kaisa.demo.config import ARM_NAMES, KAISA_ARMS
+from kaisa.demo.datasets import load_dataset
 
 
 def early_refresh(chosen: int) -> Callable[[int], int]:
@@ -52,18 +65,26 @@ def early_refresh(chosen: int) -> Callable[[int], int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--workload", required=True)
-    p.add_argument("--arm", required=True, choices=("kaisa-sgd", "kaisa-adamw"))
-    p.add_argument("--lr", required=True, type=float)
+    p.add_argument("--arm", required=True, choices=ARM_NAMES)
+    p.add_argument("--lr", type=float, help="peak LR (default: the demo's for the workload/arm)")
     p.add_argument("--seeds", default="0")
     p.add_argument("--kfac", default="{}", help="JSON keyword arguments for KFACPreconditioner")
     p.add_argument("--early-refresh", default=None, metavar="F,I")
+    p.add_argument(
+        "--max-steps", type=int, default=None, help="end each run after N steps (same schedule)"
+    )
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--data-dir", default=None, help="Fashion-MNIST (image workloads)")
+    p.add_argument("--text-dir", default=None, help="the fortunes corpus (gpt)")
     p.add_argument("--out", type=Path, default=Path("runs/steps_probe.jsonl"))
     args = p.parse_args(argv)
     extra: dict[str, Any] = json.loads(args.kfac)
     if not isinstance(extra, dict):
         p.error("--kfac must be a JSON object")
+    if args.arm not in KAISA_ARMS and (extra or args.early_refresh):
+        p.error(f"--kfac and --early-refresh apply to the kaisa arms only, not {args.arm}")
+    if args.max_steps is not None and args.max_steps < 1:
+        p.error("--max-steps must be a positive integer")
     if isinstance(extra.get("curvature"), list):
         extra["curvature"] = tuple(extra["curvature"])
     schedule: dict[str, Any] = {}
@@ -81,26 +102,37 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     demo_train._make_preconditioner = make  # the demo's run, these options
-    argv_demo = ["--workload", args.workload, "--arms", args.arm, "--lr", f"{args.arm}={args.lr}",
+    argv_demo = ["--workload", args.workload, "--arms", args.arm,
                  "--threads", str(args.threads), "--no-progress", "--stop-at-target",
                  "--out", "/tmp/steps_probe"]  # fmt: skip
+    if args.lr is not None:
+        argv_demo += ["--lr", f"{args.arm}={args.lr!r}"]
     if args.data_dir:
         argv_demo += ["--data-dir", args.data_dir]
+    if args.text_dir:
+        argv_demo += ["--text-dir", args.text_dir]
     config = build_config(parse_args(argv_demo)).workloads[0]
-    data = load_fashion_mnist(config.data_dir)
+    config = dataclasses.replace(config, step_limit=args.max_steps)
+    arm = config.arms[0]
+    data = load_dataset(config.dataset, config.data_dir)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for seed in (int(s) for s in args.seeds.split(",")):
         start = time.time()
-        result = demo_train.train_arm(data, config, config.arms[0], seed, stop_at_target=True)
-        hit = result.first_reaching(config.target_accuracy)
+        result = demo_train.train_arm(data, config, arm, seed, stop_at_target=True)
+        hit = result.first_reaching(config.target)
         row = {
             "workload": args.workload,
             "arm": args.arm,
-            "lr": args.lr,
+            "lr": arm.lr,
+            "lr_source": arm.lr_source,
             "seed": seed,
             "kfac": args.kfac,
             "early_refresh": args.early_refresh,
+            "metric": config.metric,
+            "target": config.target,
             "steps": None if hit is None else hit.step,
+            "stopped_at": result.steps,
+            "last": None if result.final_value is None else round(result.final_value, 4),
             "wall_s": round(time.time() - start, 1),
         }
         choice = result.kfac_choice

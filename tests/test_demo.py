@@ -287,7 +287,7 @@ def test_stop_at_target_ends_at_the_first_hit(tiny: Path) -> None:
     arm = ArmConfig("sgd", 0.05)
     config = DemoConfig(
         data_dir=str(tiny), out_dir="", arms=(arm,), epochs=3, batch_size=32,
-        eval_every=2, target_accuracy=0.3, progress=False,
+        eval_every=2, target=0.3, progress=False,
     )  # fmt: skip
     full = train_arm(data, config, arm, seed=0)
     stopped = train_arm(data, config, arm, seed=0, stop_at_target=True)
@@ -323,7 +323,7 @@ def test_lockstep_arms_compute_what_each_arm_computes_alone(tiny: Path, turn: in
     )
     config = DemoConfig(
         data_dir=str(tiny), out_dir="", arms=(sgd, kfac), epochs=2, batch_size=32,
-        eval_every=3, target_accuracy=0.3, progress=False,
+        eval_every=3, target=0.3, progress=False,
     )  # fmt: skip
 
     def points(run: object) -> list[tuple[int, float, float, float]]:
@@ -499,9 +499,9 @@ def test_help_ends_every_option_with_its_default_in_one_style() -> None:
     for expected in (
         "epoch budget for every workload (default: the workload's)",
         "(default: the workload's)",
-        "global batch (default: 128)",
+        "global batch: images, or gpt's windows of 64 bytes (default: the workload's: 128, gpt 16)",
         "(default: 0,1,2)",
-        "(default: gap_cnn,small_cnn,vit)",
+        "(default: gap_cnn,small_cnn,vit,gpt)",
         "Tikhonov damping (default: the library's, ",
         "(default: runs/demo-<timestamp>)",
         "--no-progress no progress bars on a terminal, no progress lines otherwise (default: off)",
@@ -645,13 +645,13 @@ def test_quick_preset_and_explicit_options() -> None:
     assert [w.name for w in quick.workloads] == ["gap_cnn"]
     w = quick.workloads[0]
     assert [a.name for a in w.arms] == ["sgd", "adamw", "muon", "kaisa-sgd"]
-    assert (w.epochs, w.seeds, w.target_accuracy, w.stop_at_target) == (1, (0,), 0.85, True)
+    assert (w.epochs, w.seeds, w.target, w.stop_at_target) == (1, (0,), 0.85, True)
     mine = _suite("--quick", "--arms", "sgd", "--target", "0.8", "--workload", "small_cnn")
     w = mine.workloads[0]
-    assert [a.name for a in w.arms] == ["sgd"] and w.target_accuracy == 0.8
+    assert [a.name for a in w.arms] == ["sgd"] and w.target == 0.8
     assert w.model == "small_cnn" and w.epochs == 1
     full = _suite()
-    assert [c.name for c in full.workloads] == ["gap_cnn", "small_cnn", "vit"]
+    assert [c.name for c in full.workloads] == ["gap_cnn", "small_cnn", "vit", "gpt"]
     assert all(len(c.arms) == len(ARM_NAMES) and c.seeds == (0, 1, 2) for c in full.workloads)
 
 
@@ -689,7 +689,7 @@ def test_each_arm_builds_and_trains(tiny: Path) -> None:
     names = [a for a in ARM_NAMES if a != "soap" or importlib.util.find_spec("heavyball")]
     arms = tuple(make_arm(name, FALLBACK_LRS[name]) for name in names)
     config = DemoConfig(data_dir=str(tiny), out_dir="", arms=arms, epochs=1, batch_size=64,
-                        eval_every=2, target_accuracy=0.99, progress=False)  # fmt: skip
+                        eval_every=2, target=0.99, progress=False)  # fmt: skip
     runs = train_arms_in_lockstep(data, config, arms, 0)
     assert [r.arm for r in runs] == names
     for run in runs:

@@ -1,12 +1,14 @@
 """``kaisa demo``: a time-to-accuracy benchmark suite of optimizers with and without KAISA.
 
-Every selected workload (a network from :mod:`kaisa.models` with a target test
-accuracy and an epoch budget, :data:`~kaisa.demo.config.WORKLOADS`) is trained
-on Fashion-MNIST by every selected arm (SGD, AdamW, Muon + AdamW, SOAP, and
-SGD or AdamW behind ``kaisa.KFACPreconditioner`` with the library's defaults)
-over several seeds, the arms of a seed in lockstep; the result is the median
-training time to the target per (workload, arm), written per workload to
-``OUT/<workload>/`` and summarised in ``OUT/summary.{json,md}``.
+Every selected workload (a network from :mod:`kaisa.models` with its data, a
+target and a budget, :data:`~kaisa.demo.config.WORKLOADS`: the image
+classifiers on Fashion-MNIST with a target test accuracy, the byte-level GPT
+on the ``fortunes`` text corpus with a target validation loss) is trained by
+every selected arm (SGD, AdamW, Muon + AdamW, SOAP, and SGD or AdamW behind
+``kaisa.KFACPreconditioner`` with the library's defaults) over several seeds,
+the arms of a seed in lockstep; the result is the median training time to the
+target per (workload, arm), written per workload to ``OUT/<workload>/`` and
+summarised in ``OUT/summary.{json,md}``.
 
 Bad input (a missing or corrupt dataset file, an impossible target, a bad
 option value, an unknown arm or workload, the soap arm without heavyball)
@@ -34,18 +36,30 @@ from kaisa.demo.config import (
     DEFAULT_LR_FILE,
     DEFAULT_WORKLOADS,
     KAISA_ARMS,
+    METRICS,
+    MUON_ADAMW_LR_RATIO,
     WORKLOADS,
     DemoConfig,
     KfacConfig,
     LrTableError,
     SuiteConfig,
+    Workload,
     base_arm,
     make_arm,
     read_lr_table,
     resolve_lr,
 )
-from kaisa.demo.data import DEFAULT_DATA_DIR, DatasetError, FashionMNIST, load_fashion_mnist
+from kaisa.demo.data import DEFAULT_DATA_DIR, DatasetError
+from kaisa.demo.datasets import (
+    Dataset,
+    DatasetKey,
+    dataset_hint,
+    dataset_label,
+    default_directory,
+    load_dataset,
+)
 from kaisa.demo.optimizers import MissingDependencyError, require_heavyball
+from kaisa.demo.text import DEFAULT_TEXT_DIR, TextCorpus
 from kaisa.distributed.plan import resolve_grad_workers
 
 __all__ = ["DEFAULTS", "QUICK", "DemoError", "build_config", "main", "parse_args"]
@@ -55,7 +69,6 @@ PROG = "kaisa demo"
 DEFAULTS: dict[str, Any] = {
     "workloads": DEFAULT_WORKLOADS,
     "arms": ARM_NAMES,
-    "batch_size": 128,
     "momentum": 0.9,
     "weight_decay": 5e-4,
     "adamw_weight_decay": ADAMW_WEIGHT_DECAY,
@@ -63,13 +76,14 @@ DEFAULTS: dict[str, Any] = {
     "seeds": (0, 1, 2),
     "threads": 2,
     "nproc": 1,
-    "eval_every": 100,
     "stop_at_target": True,
     "progress_seconds": 30.0,
 }
-"""The full run's settings (``make demo``); each workload's target and epoch
-budget come from :data:`~kaisa.demo.config.WORKLOADS`, each arm's peak
-learning rate from the sweep file (:func:`~kaisa.demo.config.resolve_lr`).
+"""The full run's settings (``make demo``); each workload's target, budget,
+batch size, evaluation interval and warm-up (``warmup_epochs`` unless the
+workload gives warm-up steps) come from :data:`~kaisa.demo.config.WORKLOADS`,
+each arm's peak learning rate from the sweep file
+(:func:`~kaisa.demo.config.resolve_lr`).
 
 Runs stop at the target by default: the suite measures the time to the target,
 which stopping does not change, and stopping roughly halves the cost of the
@@ -89,7 +103,9 @@ QUICK: dict[str, Any] = {
 on 2 cores); explicit options still win. One epoch of gap_cnn, four arms, one
 seed, target 85% (SGD reached 82.5% after the first of several epochs in
 earlier runs, so 85% is within a one-epoch schedule's reach; provisional until
-timed on a quiet machine)."""
+timed on a quiet machine). The preset's target and epochs are for the image
+workloads: with ``--quick --workload gpt`` the language model keeps its own
+target and step budget."""
 
 
 _QUICK_OPTIONS = {"workloads": "workload"}
@@ -132,19 +148,35 @@ _unit_or_named = _checked(
 )
 
 
-def _target(text: str) -> float:
+_TargetSpec = float | dict[str, float]
+"""``--target``: one value for every selected workload, or one per named workload."""
+
+
+def _target_value(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected a fraction such as 0.91, got {text!r}"
+            f"expected a number such as 0.91 (an accuracy) or 1.5 (a loss), got {text!r}"
         ) from None
-    if not (0.0 < value <= 1.0):
-        hint = f" (did you mean {value / 100:g}?)" if 1.0 < value <= 100.0 else ""
-        raise argparse.ArgumentTypeError(
-            f"impossible target accuracy {text}: it must be a fraction in (0, 1]{hint}"
-        )
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"impossible target {text}: it must be finite")
     return value
+
+
+def _target(text: str) -> _TargetSpec:
+    """A number, or WORKLOAD=VALUE pairs; checked against each workload's metric later."""
+    if "=" not in text:
+        return _target_value(text)
+    out: dict[str, float] = {}
+    for item in _names(text, "WORKLOAD=VALUE pairs"):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(
+                f"expected WORKLOAD=VALUE pairs such as gap_cnn=0.9,gpt=2.0, got {item!r}"
+            )
+        out[_workload(name.strip())] = _target_value(value.strip())
+    return out
 
 
 def _seeds(text: str) -> tuple[int, ...]:
@@ -297,6 +329,14 @@ field's and the library's name); unset, each is the library's default, which
 the help shows."""
 
 
+def _workload_summary(w: Workload) -> str:
+    """``gap_cnn (91% in 3 epochs)``, ``gpt (validation loss 2.10 nats/byte in 1500 steps)``."""
+    metric = METRICS[w.metric]
+    target = f"{w.target:.0%}" if metric.name == "accuracy" else metric.target_text(w.target)
+    budget = f"{w.steps} steps" if w.steps is not None else f"{w.epochs} epochs"
+    return f"{w.name} ({target} in {budget}" + (", provisional" if w.provisional else "") + ")"
+
+
 def _option_groups() -> list[tuple[str, str | None, _Options]]:
     """The options of :func:`_parser`, group by group, in the order the help shows them.
 
@@ -305,26 +345,28 @@ def _option_groups() -> list[tuple[str, str | None, _Options]]:
     the ``default`` argument as :func:`_show` shows it.
     """
     d = DEFAULTS
-    workloads = ", ".join(
-        f"{w.name} ({w.target_accuracy:.0%} in {w.epochs} epochs"
-        + (", provisional" if w.provisional else "")
-        + ")"
-        for w in WORKLOADS.values()
-    )
+    workloads = ", ".join(_workload_summary(w) for w in WORKLOADS.values())
     quick = ", ".join(f"--{_QUICK_OPTIONS.get(k, k)} {_show(v)}" for k, v in QUICK.items())
     lr_file = DEFAULT_LR_FILE.relative_to(DEFAULT_LR_FILE.parents[2])
     as_for_lr = "as for --lr"
     off = {"action": "store_true", "default": False}
     data: _Options = {
         "--data-dir": (
-            "directory with the four Fashion-MNIST IDX .gz files",
+            "directory with the four Fashion-MNIST IDX .gz files (the image workloads)",
             {
-                "default": os.environ.get("KAISA_DATA_DIR", DEFAULT_DATA_DIR),
+                "default": default_directory("fashion_mnist"),
                 "default_text": f"$KAISA_DATA_DIR if set, else {DEFAULT_DATA_DIR}",
             },
         ),
+        "--text-dir": (
+            "directory of the fortunes text files (the gpt workload; Debian package fortunes)",
+            {
+                "default": default_directory("fortunes"),
+                "default_text": f"$KAISA_TEXT_DIR if set, else {DEFAULT_TEXT_DIR}",
+            },
+        ),
         "--workload": (
-            "comma-separated workloads, each with its own target and epoch budget: " + workloads,
+            "comma-separated workloads, each with its own metric, target and budget: " + workloads,
             {"type": _workloads, "default_text": _show(d["workloads"])},
         ),
         "--model": (
@@ -339,12 +381,13 @@ def _option_groups() -> list[tuple[str, str | None, _Options]]:
         ),
         "--lr": (
             "peak learning rates for every workload, e.g. sgd=0.1,muon=0.02 (Muon: the "
-            "matrix LR; its AdamW group runs at 0.1x)",
+            f"matrix LR; its AdamW group runs at the workload's ratio, {MUON_ADAMW_LR_RATIO:g}x "
+            "but gpt 0.15x)",
             {
                 "type": _lr_overrides,
                 "metavar": "ARM=LR[,...]",
                 "default_text": "the --lr-file's LR for the workload and arm, else the "
-                "fallback table",
+                "fallback table (the workload's row, if it has one)",
             },
         ),
         "--sgd-lr": (
@@ -365,10 +408,25 @@ def _option_groups() -> list[tuple[str, str | None, _Options]]:
             "epoch budget for every workload",
             {"type": _positive_int, "default_text": "the workload's"},
         ),
-        "--batch-size": ("global batch", {"type": _positive_int, "default": d["batch_size"]}),
+        "--steps": (
+            "step budget for every workload, in place of its epoch budget (gpt's budget is in "
+            "steps; --epochs E gives it E passes' worth of its training bytes instead)",
+            {"type": _positive_int, "default_text": "the workload's: epochs, gpt 1500 steps"},
+        ),
+        "--batch-size": (
+            "global batch: images, or gpt's windows of 64 bytes",
+            {"type": _positive_int, "default_text": "the workload's: 128, gpt 16"},
+        ),
         "--warmup-epochs": (
-            "linear warm-up length, then cosine decay to 0",
-            {"type": _nonnegative_float, "default": d["warmup_epochs"]},
+            "linear warm-up length in epochs, then cosine decay to 0",
+            {
+                "type": _nonnegative_float,
+                "default_text": f"{d['warmup_epochs']:g}, but gpt warms up over its 100 steps",
+            },
+        ),
+        "--warmup-steps": (
+            "linear warm-up length in steps for every workload (in place of --warmup-epochs)",
+            {"type": _positive_int, "default_text": "as for --warmup-epochs"},
         ),
         "--momentum": (
             "SGD momentum (sgd, kaisa-sgd)",
@@ -390,7 +448,9 @@ def _option_groups() -> list[tuple[str, str | None, _Options]]:
     }
     measurement: _Options = {
         "--target": (
-            "target test accuracy (a fraction) for every workload",
+            "target for every workload in its metric (test accuracy, a fraction, for the "
+            "image workloads; validation loss in nats/byte, reached at or below, for gpt), or "
+            "WORKLOAD=VALUE pairs such as gap_cnn=0.9,gpt=2.0",
             {"type": _target, "default_text": "the workload's"},
         ),
         "--seeds": (
@@ -399,10 +459,11 @@ def _option_groups() -> list[tuple[str, str | None, _Options]]:
         ),
         "--eval-every": (
             "evaluate every N steps",
-            {"type": _positive_int, "default_text": _show(d["eval_every"])},
+            {"type": _positive_int, "default_text": "the workload's: 100, gpt 50"},
         ),
         "--eval-every-near": (
-            "evaluate every N steps while within 1 point below the target",
+            "evaluate every N steps while just short of the target (within 1 point of "
+            "accuracy; gpt: within 0.05 nats/byte)",
             {"type": _positive_int, "default_text": "--eval-every / 4"},
         ),
         "--stop-at-target": (
@@ -429,8 +490,8 @@ def _option_groups() -> list[tuple[str, str | None, _Options]]:
         ),
         "--progress-every": (
             "when the output is not a terminal, print a progress line per arm (workload, "
-            "arm, seed, step, elapsed time, last test accuracy) every SECONDS; 0: after every "
-            "step",
+            "arm, seed, step, elapsed time, last test accuracy or validation loss) every "
+            "SECONDS; 0: after every step",
             {"type": _nonnegative_float, "default": d["progress_seconds"], "metavar": "SECONDS"},
         ),
         "--no-progress": ("no progress bars on a terminal, no progress lines otherwise", off),
@@ -453,20 +514,21 @@ def _parser() -> _Parser:
     p = _Parser(
         prog=PROG,
         description=(
-            "Benchmark suite: train each workload (a network with a target test accuracy and "
-            "an epoch budget) on Fashion-MNIST with each optimizer arm and compare the "
-            "wall-clock training time to the target. Arms: sgd (momentum 0.9, weight decay "
-            "5e-4), adamw (decoupled decay 0.05), muon (Muon on hidden weights incl. conv "
+            "Benchmark suite: train each workload (a network with its data, a target and a "
+            "budget: image classifiers on Fashion-MNIST to a test accuracy, a byte-level GPT on "
+            "the fortunes text corpus down to a validation loss) with each optimizer arm and "
+            "compare the wall-clock training time to the target. Arms: sgd (momentum 0.9, weight "
+            "decay 5e-4), adamw (decoupled decay 0.05), muon (Muon on hidden weights incl. conv "
             "filters, AdamW on the first layer, head, biases and norms), soap (heavyball.SOAP; "
-            "needs the 'bench' extra), kaisa-sgd and kaisa-adamw (kaisa.KFACPreconditioner "
-            "with the library's defaults in front of SGD / AdamW; 'kaisa' = kaisa-sgd). All "
-            "arms of a workload share the model, initial weights, data order, batch size, "
-            "epoch budget and learning-rate schedule shape (linear warm-up, then cosine) on "
-            "their own peak LR; the arms of a seed train in lockstep and the clock excludes "
-            "evaluation. Outputs: OUT/<workload>/{results.json,evaluations.csv,accuracy.png} "
-            "and OUT/summary.{json,md}. On a terminal every arm shows a progress bar; when the "
-            "output is not a terminal (a log file, CI) every arm prints a plain progress line "
-            "every --progress-every seconds instead."
+            "needs the 'bench' extra), kaisa-sgd and kaisa-adamw (kaisa.KFACPreconditioner with "
+            "the library's defaults in front of SGD / AdamW; 'kaisa' = kaisa-sgd). All arms of a "
+            "workload share the model, initial weights, data order, batch size, budget and "
+            "learning-rate schedule shape (linear warm-up, then cosine) on their own peak LR; the"
+            " arms of a seed train in lockstep and the clock excludes evaluation. Outputs: "
+            "OUT/<workload>/{results.json,evaluations.csv,accuracy.png (gpt: val_loss.png)} and "
+            "OUT/summary.{json,md}. On a terminal every arm shows a progress bar; when the output"
+            " is not a terminal (a log file, CI) every arm prints a plain progress line every "
+            "--progress-every seconds instead."
         ),
     )
     for title, description, options in _option_groups():
@@ -511,6 +573,50 @@ def _given(value: _T | None, preset: _T) -> _T:
     return value if value is not None else preset
 
 
+def _targets(
+    args: argparse.Namespace, workloads: Sequence[str], preset: dict[str, Any]
+) -> dict[str, float]:
+    """Each selected workload's target: ``--target`` (checked against its metric), else the
+    preset's (an accuracy, for accuracy workloads only), else the workload's."""
+    spec: _TargetSpec | None = args.target
+    if isinstance(spec, dict):
+        unknown = [name for name in spec if name not in workloads]
+        if unknown:
+            raise DemoError(
+                f"argument --target: {', '.join(unknown)} not among the selected workloads "
+                f"({', '.join(workloads)})"
+            )
+    out: dict[str, float] = {}
+    for name in workloads:
+        w = WORKLOADS[name]
+        metric = METRICS[w.metric]
+        if isinstance(spec, dict):
+            value = spec.get(name)
+        elif spec is not None:
+            value = spec
+        else:
+            value = preset.get("target") if w.metric == "accuracy" else None
+        if value is None:
+            out[name] = w.target
+            continue
+        problem = metric.check_target(value)
+        if problem:
+            raise DemoError(f"argument --target: {problem} (workload {name})")
+        out[name] = value
+    if isinstance(spec, float) and len({WORKLOADS[n].metric for n in workloads}) > 1:
+        kinds = ", ".join(f"{n}: {METRICS[WORKLOADS[n].metric].label}" for n in workloads)
+        raise DemoError(
+            f"argument --target: one value for workloads measured differently ({kinds}); "
+            "give WORKLOAD=VALUE pairs such as gap_cnn=0.9,gpt=2.0"
+        )
+    return out
+
+
+def _data_dir(args: argparse.Namespace, dataset: str) -> str:
+    directory: str = args.text_dir if dataset == "fortunes" else args.data_dir
+    return directory
+
+
 def build_config(args: argparse.Namespace) -> SuiteConfig:
     """Check the options against each other and build the suite's configuration."""
     preset = dict(DEFAULTS)
@@ -524,11 +630,14 @@ def build_config(args: argparse.Namespace) -> SuiteConfig:
         workloads = _given(args.workload, preset["workloads"])
     arms: tuple[str, ...] = _given(args.arms, preset["arms"])
     seeds = _given(args.seeds, preset["seeds"])
-    eval_every = _given(args.eval_every, preset["eval_every"])
-    if args.batch_size % args.nproc:
-        raise DemoError(
-            f"argument --batch-size: {args.batch_size} is not divisible by --nproc {args.nproc}"
-        )
+    targets = _targets(args, workloads, preset)
+    for name in workloads:
+        batch = _given(args.batch_size, WORKLOADS[name].batch_size)
+        if batch % args.nproc:
+            raise DemoError(
+                f"argument --batch-size: {batch} (workload {name}) is not divisible by "
+                f"--nproc {args.nproc}"
+            )
     if args.nproc > 1 and args.grad_worker_fraction is not None:
         try:  # the library's rule, checked before any process starts
             resolve_grad_workers(args.grad_worker_fraction, args.nproc)
@@ -559,6 +668,7 @@ def build_config(args: argparse.Namespace) -> SuiteConfig:
     configs = []
     for name in workloads:
         w = WORKLOADS[name]
+        ratio = w.muon_adamw_lr_ratio
         arm_configs = []
         for arm in arms:
             lr, source = resolve_lr(name, arm, overrides, table, table_name)
@@ -571,20 +681,31 @@ def build_config(args: argparse.Namespace) -> SuiteConfig:
                     weight_decay=args.weight_decay,
                     adamw_weight_decay=args.adamw_weight_decay,
                     lr_source=source,
+                    adamw_lr_ratio=MUON_ADAMW_LR_RATIO if ratio is None else ratio,
                 )
             )
+        # The budget: --steps, else --epochs, else the workload's steps if it has a step
+        # budget, else the preset's or the workload's epochs.
+        max_steps = args.steps
+        if max_steps is None and args.epochs is None:
+            max_steps = w.steps
+        # The warm-up: --warmup-steps, else --warmup-epochs, else the workload's.
+        warmup_steps = args.warmup_steps
+        if warmup_steps is None and args.warmup_epochs is None:
+            warmup_steps = w.warmup_steps
         configs.append(
             DemoConfig(
-                data_dir=args.data_dir,
+                data_dir=_data_dir(args, w.dataset),
                 out_dir=os.path.join(out, name),
                 arms=tuple(arm_configs),
                 model=w.model,
                 epochs=_given(args.epochs, preset.get("epochs", w.epochs)),
-                batch_size=args.batch_size,
-                warmup_epochs=args.warmup_epochs,
-                eval_every=eval_every,
+                batch_size=_given(args.batch_size, w.batch_size),
+                warmup_epochs=_given(args.warmup_epochs, preset["warmup_epochs"]),
+                eval_every=_given(args.eval_every, w.eval_every),
                 eval_every_near=args.eval_every_near,
-                target_accuracy=_given(args.target, preset.get("target", w.target_accuracy)),
+                near_margin=w.near_margin,
+                target=targets[name],
                 seeds=tuple(seeds),
                 threads=max(1, args.threads // args.nproc),
                 nproc=args.nproc,
@@ -594,6 +715,11 @@ def build_config(args: argparse.Namespace) -> SuiteConfig:
                 lockstep=not args.sequential,
                 workload=name,
                 stop_at_target=args.stop_at_target,
+                metric=w.metric,
+                dataset=w.dataset,
+                max_steps=max_steps,
+                warmup_steps=warmup_steps,
+                context=w.context,
             )
         )
     return SuiteConfig(out_dir=out, workloads=tuple(configs), nproc=args.nproc, quick=args.quick)
@@ -611,16 +737,27 @@ def _prepare_out_dir(path: str) -> Path:
     return out
 
 
-def _describe(suite: SuiteConfig, data_shape: tuple[int, int, int], n_train: int) -> str:
+def _data_text(key: DatasetKey, data: Dataset) -> str:
+    """One line about a loaded data set, for the run's header."""
+    if isinstance(data, TextCorpus):
+        return f"  data: {dataset_label(key[0])}: {data.describe()}"
+    _, height, width = data.image_shape
+    return (
+        f"  data: {dataset_label(key[0])}: {data.train_x.shape[0]} training images "
+        f"{height}x{width}, from {data.directory}"
+    )
+
+
+def _describe(suite: SuiteConfig, data: dict[DatasetKey, Dataset]) -> str:
     first = suite.workloads[0]
     kfac = next((a.kfac for a in first.arms if a.kfac is not None), None)
     lines = [
-        f"kaisa demo: {len(suite.workloads)} workload(s) x {len(first.arms)} arm(s) on "
-        f"Fashion-MNIST ({n_train} training images {data_shape[1]}x{data_shape[2]}), "
-        f"batch {first.batch_size}, seeds {','.join(map(str, first.seeds))}, "
+        f"kaisa demo: {len(suite.workloads)} workload(s) x {len(first.arms)} arm(s), "
+        f"seeds {','.join(map(str, first.seeds))}, "
         f"{first.nproc} process(es) x {first.threads} thread(s)"
         + (", runs stop at the target" if first.stop_at_target else "")
     ]
+    lines += [_data_text(key, d) for key, d in data.items()]
     if kfac is not None:
         record = kfac.as_record()
         lines.append(
@@ -629,8 +766,16 @@ def _describe(suite: SuiteConfig, data_shape: tuple[int, int, int], n_train: int
         )
     for config in suite.workloads:
         w = WORKLOADS.get(config.name)
+        budget = (
+            f"{config.max_steps} steps" if config.max_steps is not None else
+            f"{config.epochs} epoch(s)"
+        )  # fmt: skip
+        batch = f"batch {config.batch_size}"
+        if config.dataset == "fortunes":
+            batch += f" x {config.context} bytes"
         lines.append(
-            f"  {config.name}: target {config.target_accuracy:.1%}, {config.epochs} epoch(s)"
+            f"  {config.name}: target {config.metric_spec.target_text(config.target)}, "
+            f"{budget}, {batch}"
             + (" [provisional]" if w is not None and w.provisional else "")
             + "; peak LRs "
             + ", ".join(f"{a.name} {a.lr:g}" for a in config.arms)
@@ -641,7 +786,7 @@ def _describe(suite: SuiteConfig, data_shape: tuple[int, int, int], n_train: int
     return "\n".join(lines)
 
 
-def _run_local(suite: SuiteConfig, data: FashionMNIST) -> int:
+def _run_local(suite: SuiteConfig, data: dict[DatasetKey, Dataset]) -> int:
     import torch
 
     from kaisa.demo.suite import run_suite
@@ -651,26 +796,48 @@ def _run_local(suite: SuiteConfig, data: FashionMNIST) -> int:
     return 0
 
 
-def _check_workload(config: DemoConfig, shape: tuple[int, int, int], n_train: int) -> None:
+def _check_workload(config: DemoConfig, data: Dataset) -> None:
     """Build the model and every arm's optimizer (and preconditioner) once, before training."""
     import torch
 
     from kaisa.demo.optimizers import build_optimizer
     from kaisa.demo.train import build_demo_model
 
-    if config.batch_size > n_train:
-        raise DemoError(
-            f"argument --batch-size: {config.batch_size} is larger than the training set "
-            f"({n_train} images)"
-        )
+    if isinstance(data, TextCorpus):
+        n_train = int(data.train.numel())
+        if config.batch_size * config.context > n_train:
+            raise DemoError(
+                f"argument --batch-size: {config.batch_size} windows of {config.context} bytes "
+                f"are larger than the training stream ({n_train} bytes)"
+            )
+        if int(data.val.numel()) <= config.context:
+            raise DemoError(
+                f"workload {config.name}: the validation stream ({data.val.numel()} bytes) is "
+                f"shorter than a window of {config.context + 1} bytes"
+            )
+        model = build_demo_model(config.model, context=config.context)
+        example = torch.zeros(2, config.context, dtype=torch.long)
+        what = f"{config.context}-byte windows"
+    else:
+        shape = data.image_shape
+        n_images = int(data.train_x.shape[0])
+        if config.batch_size > n_images:
+            raise DemoError(
+                f"argument --batch-size: {config.batch_size} is larger than the training set "
+                f"({n_images} images)"
+            )
+        try:
+            model = build_demo_model(config.model, shape)
+        except ValueError as exc:
+            raise DemoError(f"workload {config.name} ({config.model}): {exc}") from None
+        example = torch.zeros(2, *shape)
+        what = f"{shape[1]}x{shape[2]} images"
     try:
-        model = build_demo_model(config.model, shape)
         with torch.no_grad():
-            model.eval()(torch.zeros(2, *shape))
-    except (ValueError, RuntimeError) as exc:
+            model.eval()(example)
+    except (ValueError, RuntimeError, IndexError) as exc:
         raise DemoError(
-            f"workload {config.name} ({config.model}) does not fit {shape[1]}x{shape[2]} "
-            f"images: {exc}"
+            f"workload {config.name} ({config.model}) does not fit {what}: {exc}"
         ) from None
     for arm in config.arms:
         try:
@@ -701,16 +868,32 @@ def _run_distributed(suite: SuiteConfig) -> int:
     return code
 
 
+def _load_and_check(suite: SuiteConfig) -> dict[DatasetKey, Dataset]:
+    """Load each workload's data (each data set once) and check the workload against it.
+
+    Workload by workload, so that a problem with the first workload is
+    reported before the next one's data is read.
+    """
+    data: dict[DatasetKey, Dataset] = {}
+    for config in suite.workloads:
+        key = (config.dataset, config.data_dir)
+        if key not in data:
+            try:
+                data[key] = load_dataset(*key)
+            except DatasetError as exc:
+                hint = dataset_hint(config.dataset)
+                raise DatasetError(f"{exc} ({hint})" if hint else str(exc)) from None
+        _check_workload(config, data[key])
+    return data
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``kaisa demo``; returns the exit code."""
     args_in = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parse_args(args_in)
         suite = build_config(args)
-        data = load_fashion_mnist(suite.workloads[0].data_dir)
-        n_train = int(data.train_x.shape[0])
-        for config in suite.workloads:
-            _check_workload(config, data.image_shape, n_train)
+        data = _load_and_check(suite)
         _prepare_out_dir(suite.out_dir)
         for config in suite.workloads:
             _prepare_out_dir(config.out_dir)
@@ -719,7 +902,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{PROG}: note: --model is deprecated; use --workload {args.model}",
                 file=sys.stderr,
             )
-        print(_describe(suite, data.image_shape, n_train), flush=True)
+        print(_describe(suite, data), flush=True)
         if suite.nproc > 1:
             del data  # each worker loads its own copy
             return _run_distributed(suite)
@@ -728,11 +911,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     except DatasetError as exc:
-        print(
-            f"{PROG}: error: {exc} (Fashion-MNIST IDX .gz files are expected; on Debian: "
-            "apt-get install dataset-fashion-mnist, or pass --data-dir)",
-            file=sys.stderr,
-        )
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 
-from kaisa.demo.config import KAISA_ARMS, WORKLOADS, DemoConfig
-from kaisa.demo.data import FashionMNIST
+from kaisa.demo.config import KAISA_ARMS, METRICS, WORKLOADS, DemoConfig
+from kaisa.demo.datasets import Dataset
+from kaisa.demo.text import TextCorpus
 from kaisa.demo.train import DistContext, RunResult, train_arm, train_arms_in_lockstep
 
 __all__ = [
@@ -44,7 +45,7 @@ __all__ = [
 
 
 def run_comparison(
-    config: DemoConfig, data: FashionMNIST, dist: DistContext | None = None
+    config: DemoConfig, data: Dataset, dist: DistContext | None = None
 ) -> list[RunResult]:
     """Train every arm of ``config`` for every seed; the runs in the order made."""
     runs: list[RunResult] = []
@@ -185,14 +186,46 @@ def _phase_medians(rows: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
+def _data_record(config: DemoConfig, data: Dataset | None) -> dict[str, Any]:
+    """What ``results.json`` says about a text workload's data (nothing for images)."""
+    if not isinstance(data, TextCorpus):
+        return {}
+    from kaisa.demo.text import VALIDATION_PERCENT, VALIDATION_WINDOWS
+
+    windows = min(VALIDATION_WINDOWS, int(data.val.numel()) // (config.context + 1))
+    return {
+        "corpus": {
+            "directory": data.directory,
+            "files": data.files,
+            "records": data.records,
+            "train_records": data.train_records,
+            "val_records": data.val_records,
+            "train_bytes": int(data.train.numel()),
+            "val_bytes": int(data.val.numel()),
+            "fingerprint": data.fingerprint,
+            "validation": f"{VALIDATION_PERCENT}% of records by SHA-256; {windows} fixed "
+            f"windows of {config.context} bytes",
+        }
+    }
+
+
 def summarize(
     config: DemoConfig,
     runs: Sequence[RunResult],
     machine_before: dict[str, Any] | None = None,
     wall_seconds: float | None = None,
+    data: Dataset | None = None,
 ) -> dict[str, Any]:
-    """The ``results.json`` document for ``runs`` made with ``config``."""
-    target = config.target_accuracy
+    """The ``results.json`` document for ``runs`` made with ``config`` (on ``data``, if given).
+
+    The metric's values per arm are ``final_<key>`` and ``best_<key>``
+    (``final_test_accuracy``; ``final_val_loss`` for the language model);
+    ``target`` is the target of ``metric`` (an image workload also records it
+    as ``target_accuracy``, as before metrics were named).
+    """
+    target = config.target
+    metric = config.metric_spec
+    key = metric.key
     arms: dict[str, Any] = {}
     for arm in config.arms:
         mine = [r for r in runs if r.arm == arm.name]
@@ -206,8 +239,8 @@ def summarize(
             "time_to_target_s": _median(col("time_to_target_s")),
             "steps_to_target": _median(col("steps_to_target")),
             "epochs_to_target": _median(col("epochs_to_target")),
-            "final_test_accuracy": _median_known(col("final_test_accuracy")),
-            "best_test_accuracy": _median_known(col("best_test_accuracy")),
+            f"final_{key}": _median_known(col(f"final_{key}")),
+            f"best_{key}": _median_known(col(f"best_{key}")),
             "seconds_per_step": _median_known(col("seconds_per_step")),
             "kfac_seconds_per_step": _median_known(col("kfac_seconds_per_step")),
             "peak_memory_mb": _median_known(col("peak_memory_mb")),
@@ -226,9 +259,28 @@ def summarize(
         arms[arm.name] = entry
     steps_per_epoch = runs[0].steps_per_epoch if runs else None
     workload = WORKLOADS.get(config.name)
+    head: dict[str, Any] = {"workload": config.name}
+    if metric.name == "accuracy":
+        head["target_accuracy"] = target
+    head.update(
+        metric=metric.name,
+        metric_label=metric.label,
+        metric_unit=metric.unit,
+        higher_is_better=metric.higher_is_better,
+        target=target,
+    )
+    shared_text: dict[str, Any] = {}
+    if config.dataset != "fashion_mnist":
+        shared_text = {
+            "dataset": config.dataset,
+            "max_steps": config.max_steps,
+            "warmup_steps": config.warmup_steps,
+            "context": config.context,
+            "step_limit": config.step_limit,
+            **_data_record(config, data),
+        }
     return {
-        "workload": config.name,
-        "target_accuracy": target,
+        **head,
         "provisional": workload.provisional if workload else None,
         "workload_note": workload.note if workload else "",
         "comparisons": compare_arms(arms),
@@ -254,6 +306,7 @@ def summarize(
             "channels_last": config.channels_last,
             "lockstep": config.lockstep,
             "muon_conv_filters": "Muon (kaisa.demo.optimizers.ConvMuon on (out, in*kh*kw))",
+            **shared_text,
         },
         "machine": {
             "at_start": machine_before,
@@ -279,14 +332,17 @@ def summarize_suite(
     """
     rows: list[dict[str, Any]] = []
     for res in results:
+        metric = _metric_of(res)
         for name in res["arm_order"]:
             arm = res["arms"][name]
             comp = res["comparisons"][name]
             spp = arm["seconds_per_step"]
-            row: dict[str, Any] = {
-                "workload": res["workload"],
-                "arm": name,
-                "target_accuracy": res["target_accuracy"],
+            row: dict[str, Any] = {"workload": res["workload"], "arm": name}
+            if metric == "accuracy":
+                row["target_accuracy"] = _target_of(res)
+            else:
+                row.update(metric=metric, target=_target_of(res))
+            row.update({
                 "seeds": arm["seeds"],
                 "seeds_reaching_target": arm["seeds_reaching_target"],
                 "steps_to_target": arm["steps_to_target"],
@@ -297,7 +353,7 @@ def summarize_suite(
                 "ratio_per_seed_median": comp["vs_best"]["per_seed_median"],
                 "lr": arm["hyperparameters"]["lr"],
                 "lr_source": arm["hyperparameters"].get("lr_source", ""),
-            }
+            })  # fmt: skip
             if "vs_base" in comp:
                 row["base"] = comp["vs_base"]["arm"]
                 row["base_ratio"] = comp["vs_base"]["time_ratio"]
@@ -308,18 +364,37 @@ def summarize_suite(
             rows.append(row)
     return {
         "rows": rows,
-        "workloads": {
-            r["workload"]: {
-                "target_accuracy": r["target_accuracy"],
-                "epochs": r["shared"]["epochs"],
-                "provisional": r["provisional"],
-                "results": f"{r['workload']}/results.json",
-            }
-            for r in results
-        },
+        "workloads": {r["workload"]: _workload_entry(r) for r in results},
         "seeds": results[0]["shared"]["seeds"] if results else [],
         "stop_at_target": results[0]["shared"]["stop_at_target"] if results else None,
         "machine": {"at_start": machine_before, "at_end": machine_info()},
         "wall_seconds": wall_seconds,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def _metric_of(res: dict[str, Any]) -> str:
+    """A ``results.json``'s metric (``"accuracy"`` for documents that do not name one)."""
+    metric = str(res.get("metric", "accuracy"))
+    return metric if metric in METRICS else "accuracy"
+
+
+def _target_of(res: dict[str, Any]) -> float:
+    target = res.get("target", res.get("target_accuracy"))
+    return float(target) if target is not None else math.nan
+
+
+def _workload_entry(res: dict[str, Any]) -> dict[str, Any]:
+    """One workload's line of ``summary.json``: its target (and metric), budget and results."""
+    metric = _metric_of(res)
+    entry: dict[str, Any] = {}
+    if metric == "accuracy":
+        entry["target_accuracy"] = _target_of(res)
+    else:
+        entry.update(metric=metric, target=_target_of(res))
+    entry["epochs"] = res["shared"]["epochs"]
+    if res["shared"].get("max_steps") is not None:
+        entry["max_steps"] = res["shared"]["max_steps"]
+    entry["provisional"] = res["provisional"]
+    entry["results"] = f"{res['workload']}/results.json"
+    return entry

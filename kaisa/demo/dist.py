@@ -26,7 +26,8 @@ import torch
 import torch.distributed as tdist
 
 from kaisa.demo.config import SuiteConfig
-from kaisa.demo.data import DatasetError, load_fashion_mnist
+from kaisa.demo.data import DatasetError
+from kaisa.demo.datasets import load_suite_data
 
 __all__ = ["launch", "worker_main"]
 
@@ -91,7 +92,7 @@ def _run(suite: SuiteConfig, rank: int, world: int) -> None:
     try:
         ctx = DistContext(rank, world)
         try:
-            data = load_fashion_mnist(suite.workloads[0].data_dir)
+            data = load_suite_data(suite.workloads)
         except DatasetError as exc:
             raise RuntimeError(str(exc)) from None
         # run_suite drops each workload's models (DDP reducers), preconditioners

@@ -12,7 +12,11 @@
   ``nn.Linear`` and ``nn.Conv2d`` layers other than the first and the last in
   definition order (for :mod:`kaisa.models`, the order the data flows through
   them) are hidden; the first layer, the classifier head, biases and norm
-  parameters go to AdamW. Hidden 2-D matrices go to ``torch.optim.Muon``.
+  parameters go to AdamW. In a network whose input layer is an
+  ``nn.Embedding`` (the GPT: token and position embeddings) the embeddings are
+  the input layer, so every Linear but the head is hidden (for the GPT: every
+  Linear weight inside the blocks), and the embeddings go to AdamW. Hidden 2-D
+  matrices go to ``torch.optim.Muon``.
   **Hidden conv filters go to Muon too**, through :class:`ConvMuon`, this
   module's own Muon step on the ``(out, in*kh*kw)`` flattening of each filter
   bank: ``torch.optim.Muon`` accepts 2-D parameters only, and leaving conv
@@ -235,12 +239,25 @@ def muon_param_split(model: nn.Module) -> MuonSplit:
     Hidden weights are the ``weight`` of every ``nn.Linear`` and ``nn.Conv2d``
     except the first and the last such layer in definition order (the input
     layer and the classifier head), and the Q/K/V projection weights of every
-    ``nn.MultiheadAttention``. A model with fewer than three such layers
-    has no hidden weight. A DDP wrapper is looked through.
+    ``nn.MultiheadAttention``. When an ``nn.Embedding`` comes before the first
+    Linear or Conv2d, the embedding is the input layer and that first Linear
+    is hidden too (a language model: everything between the embeddings and
+    the head). A model with fewer than three such layers (two after an
+    embedding) has no hidden weight; a weight shared with an embedding (a
+    tied head) is never hidden. A DDP wrapper is looked through.
     """
     model = _unwrap(model)
-    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
-    hidden = {id(m.weight) for m in layers[1:-1] if m.weight.requires_grad}
+    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d, nn.Embedding))]
+    first = 1
+    if layers and isinstance(layers[0], nn.Embedding):
+        first = 0
+    embeddings = {id(m.weight) for m in layers if isinstance(m, nn.Embedding)}
+    layers = [m for m in layers if not isinstance(m, nn.Embedding)]
+    hidden = {
+        id(m.weight)
+        for m in layers[first:-1]
+        if m.weight.requires_grad and id(m.weight) not in embeddings
+    }
     # Attention's Q/K/V projections are hidden matrices too (the packed
     # in_proj_weight is orthogonalised as one matrix).
     for m in model.modules():

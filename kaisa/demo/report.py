@@ -1,10 +1,12 @@
 """What the suite leaves behind: tables, ``results.json``, the CSV, the plot and the summary.
 
 Per workload (``OUT/<workload>/``): ``results.json``, ``evaluations.csv`` and
-``accuracy.png`` (test accuracy against training time and against epochs,
-one colour per arm, its median seed drawn bold and the other seeds faint),
-and a table printed at the end of the workload. Over all workloads
-(``OUT/``): ``summary.json`` and ``summary.md``, one row per (workload, arm).
+a plot of the workload's metric against training time and against epochs,
+one colour per arm, its median seed drawn bold and the other seeds faint
+(``accuracy.png`` for the image workloads' test accuracy, ``val_loss.png``
+for the language model's validation loss), and a table printed at the end of
+the workload, whose columns name the metric. Over all workloads (``OUT/``):
+``summary.json`` and ``summary.md``, one row per (workload, arm).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kaisa.demo.config import KAISA_ARMS
+from kaisa.demo.config import KAISA_ARMS, METRICS, Metric
 from kaisa.demo.train import RunResult
 
 __all__ = [
@@ -24,6 +26,8 @@ __all__ = [
     "LABELS",
     "format_summary",
     "format_table",
+    "median_seed_runs",
+    "plot_name",
     "summary_markdown",
     "verdict",
     "write_csv",
@@ -43,7 +47,11 @@ CSV_FIELDS = (
     "test_loss",
     "train_loss",
 )
-"""Columns of ``evaluations.csv``: one row per evaluation on the test set."""
+"""Columns of ``evaluations.csv``: one row per evaluation on the held-out data.
+
+For the language model ``test_accuracy`` and ``test_loss`` are the fixed
+validation windows' next-byte accuracy and cross-entropy (nats per byte).
+"""
 
 LABELS = {
     "sgd": "SGD",
@@ -67,6 +75,22 @@ _COLORS = {
 
 def _label(name: str) -> str:
     return LABELS.get(name, name)
+
+
+def _metric(results: dict[str, Any]) -> Metric:
+    """The metric a ``results.json`` is measured by (accuracy when it names none)."""
+    return METRICS.get(str(results.get("metric", "accuracy")), METRICS["accuracy"])
+
+
+def _target(results: dict[str, Any]) -> float:
+    """The target of a ``results.json`` (``target_accuracy`` in documents without ``target``)."""
+    return float(results["target"] if "target" in results else results["target_accuracy"])
+
+
+def _budget(shared: dict[str, Any]) -> str:
+    if shared.get("max_steps") is not None:
+        return f"{shared['max_steps']} steps"
+    return f"{shared['epochs']} epoch(s)"
 
 
 def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
@@ -99,15 +123,22 @@ def _grid(rows: Sequence[tuple[str, ...]]) -> list[str]:
 
 
 def format_table(results: dict[str, Any]) -> str:
-    """One workload's end-of-run table (medians over seeds) and its verdict lines."""
-    target = results["target_accuracy"]
+    """One workload's end-of-run table (medians over seeds) and its verdict lines.
+
+    The columns name the workload's metric: ``time to 91.0%`` and ``final test
+    acc`` for an image workload, ``time to loss 1.50`` and ``final val loss``
+    for the language model.
+    """
+    target = _target(results)
+    metric = _metric(results)
+    final_key = f"final_{metric.key}"
     header = (
         "arm",
         "peak lr",
         "reached",
-        f"time to {target:.1%}",
+        f"time to {metric.target_short(target)}",
         "steps",
-        "final test acc",
+        metric.column,
         "ms/step",
         "K-FAC ms/step",
         "K-FAC share",
@@ -125,7 +156,7 @@ def format_table(results: dict[str, Any]) -> str:
                 f"{arm['seeds_reaching_target']}/{arm['seeds']}",
                 _fmt(arm["time_to_target_s"], ".1f") + (" s" if arm["time_to_target_s"] else ""),
                 _fmt(arm["steps_to_target"], ".0f"),
-                _fmt(arm["final_test_accuracy"], ".2%"),
+                "-" if arm.get(final_key) is None else metric.format(arm[final_key]),
                 _fmt(arm["seconds_per_step"], ".1f", 1000.0),
                 _fmt(arm["kfac_seconds_per_step"] if kfac else None, ".1f", 1000.0),
                 _fmt(arm.get("kfac_share"), ".0%"),
@@ -133,7 +164,8 @@ def format_table(results: dict[str, Any]) -> str:
                 _fmt(arm["peak_memory_mb"], ".0f"),
             )
         )
-    lines = [f"{results['workload']}: target {target:.1%}, {results['shared']['epochs']} epoch(s)"
+    lines = [f"{results['workload']}: target {metric.target_text(target)}, "
+             f"{_budget(results['shared'])}"
              + (" (provisional target/budget)" if results.get("provisional") else "")]  # fmt: skip
     lines += _grid(rows)
     seeds = results["shared"]["seeds"]
@@ -142,7 +174,8 @@ def format_table(results: dict[str, Any]) -> str:
         "training clock, evaluation excluded"
     )
     if results["shared"].get("stop_at_target"):
-        note += "; runs stop at the target, so 'final' is the accuracy there"
+        what = "accuracy" if metric.name == "accuracy" else "loss"
+        note += f"; runs stop at the target, so 'final' is the {what} there"
     lines.append(note + ")")
     text = verdict(results)
     if text:
@@ -152,31 +185,31 @@ def format_table(results: dict[str, Any]) -> str:
 
 def _sentence(results: dict[str, Any], name: str, key: str) -> str:
     arms = results["arms"]
-    target = results["target_accuracy"]
+    goal = _metric(results).target_text(_target(results))
     comp = results["comparisons"][name][key]
     other = comp["arm"]
     me = _label(name)
     mine = arms[name]["time_to_target_s"]
     if other is None:
         if mine is None:
-            return f"{me} did not reach {target:.1%}, nor did any arm it is compared with."
-        return f"{me} reached {target:.1%} in {mine:.1f} s; no arm it is compared with did."
+            return f"{me} did not reach {goal}, nor did any arm it is compared with."
+        return f"{me} reached {goal} in {mine:.1f} s; no arm it is compared with did."
     theirs = arms[other]["time_to_target_s"]
     if mine is None and theirs is None:
-        return f"Neither {me} nor {_label(other)} reached {target:.1%}."
+        return f"Neither {me} nor {_label(other)} reached {goal}."
     if mine is None:
-        return f"{me} did not reach {target:.1%}; {_label(other)} did in {theirs:.1f} s."
+        return f"{me} did not reach {goal}; {_label(other)} did in {theirs:.1f} s."
     if theirs is None:
-        return f"{me} reached {target:.1%} in {mine:.1f} s; {_label(other)} did not."
+        return f"{me} reached {goal} in {mine:.1f} s; {_label(other)} did not."
     ratio = comp["time_ratio"]
     if ratio <= 1.0:
         text = (
-            f"{me} reached {target:.1%} in {ratio:.2f}x {_label(other)}'s time "
+            f"{me} reached {goal} in {ratio:.2f}x {_label(other)}'s time "
             f"({mine:.1f} s vs {theirs:.1f} s, {1 - ratio:.1%} less)."
         )
     else:
         text = (
-            f"{me} took {ratio:.2f}x {_label(other)}'s time to reach {target:.1%} "
+            f"{me} took {ratio:.2f}x {_label(other)}'s time to reach {goal} "
             f"({mine:.1f} s vs {theirs:.1f} s)."
         )
     paired = comp["per_seed"]
@@ -236,7 +269,7 @@ def write_csv(runs: Sequence[RunResult], path: Path) -> None:
 
 
 def median_seed_runs(runs: Sequence[RunResult], target: float) -> dict[str, RunResult]:
-    """Per arm, the run of its median seed: by time to the target, then best accuracy.
+    """Per arm, the run of its median seed: by time to the target, then the best metric value.
 
     Runs that never reached the target sort after those that did; with an
     even number of seeds the lower median is taken.
@@ -249,24 +282,36 @@ def median_seed_runs(runs: Sequence[RunResult], target: float) -> dict[str, RunR
 
         def key(r: RunResult) -> tuple[float, float]:
             hit = r.first_reaching(target)
-            return (hit.train_seconds if hit else math.inf, -(r.best_test_accuracy or 0.0))
+            best = r.best_value
+            if r.metric_spec.higher_is_better:
+                rank = -(best or 0.0)
+            else:
+                rank = math.inf if best is None else best
+            return (hit.train_seconds if hit else math.inf, rank)
 
         ranked = sorted(mine, key=key)
         out[arm] = ranked[(len(ranked) - 1) // 2]
     return out
 
 
+def plot_name(results: dict[str, Any]) -> str:
+    """The plot's file name: ``accuracy.png``, or ``val_loss.png`` for the language model."""
+    metric = _metric(results)
+    return "accuracy.png" if metric.name == "accuracy" else f"{metric.name}.png"
+
+
 def write_plot(runs: Sequence[RunResult], results: dict[str, Any], path: Path) -> None:
-    """Test accuracy against training time and against epochs: median seed bold, others faint."""
+    """The metric against training time and against epochs: median seed bold, others faint."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    target = float(results["target_accuracy"])
+    target = _target(results)
+    metric = _metric(results)
     fig, (ax_t, ax_e) = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
     medians = median_seed_runs(runs, target)
-    accs: list[float] = []
+    values: list[float] = []
     order = {name: i for i, name in enumerate(results.get("arm_order", []))}
     # Faint seeds first, under the bold median seeds; arms in table order.
     ranked = sorted(
@@ -284,31 +329,41 @@ def write_plot(runs: Sequence[RunResult], results: dict[str, Any], path: Path) -
         )
         t = [p.train_seconds for p in run.points]
         e = [p.epoch for p in run.points]
-        a = [p.test_accuracy for p in run.points]
-        accs += a
+        a = [p.value(metric.name) for p in run.points]
+        values += a
         ax_t.plot(t, a, color=color, **style)
         ax_e.plot(e, a, color=color, **style)
         hit = run.first_reaching(target)
         if hit is not None and bold:
-            ax_t.plot([hit.train_seconds], [hit.test_accuracy], "o", color=color, ms=6, mfc="none")
-            ax_e.plot([hit.epoch], [hit.test_accuracy], "o", color=color, ms=6, mfc="none")
+            y = hit.value(metric.name)
+            ax_t.plot([hit.train_seconds], [y], "o", color=color, ms=6, mfc="none")
+            ax_e.plot([hit.epoch], [y], "o", color=color, ms=6, mfc="none")
     for ax in (ax_t, ax_e):
         ax.axhline(target, color="gray", ls="--", lw=1)
         ax.grid(alpha=0.3)
-    if accs:
-        top = max(max(accs), target)
-        low = min(sorted(accs)[len(accs) // 10], target - 0.02)
+    finite = [v for v in values if math.isfinite(v)]
+    if finite and metric.higher_is_better:
+        top = max(max(finite), target)
+        low = min(sorted(finite)[len(finite) // 10], target - 0.02)
         ax_t.set_ylim(max(0.0, low - 0.01), min(1.0, top + 0.01))
+    elif finite:
+        low = min(min(finite), target)
+        high = max(sorted(finite)[-1 - len(finite) // 10], target + 0.1)
+        ax_t.set_ylim(max(0.0, low - 0.05), high + 0.05)
     ax_t.set_xlabel("training time, s (evaluation excluded)")
     ax_e.set_xlabel("epoch")
-    ax_t.set_ylabel("test accuracy")
+    ax_t.set_ylabel(f"{metric.label}, {metric.unit}" if metric.unit else metric.label)
     if medians:
-        ax_t.legend(loc="lower right", fontsize=8)
+        ax_t.legend(loc="lower right" if metric.higher_is_better else "upper right", fontsize=8)
     shared = results["shared"]
+    if "corpus" in shared or shared.get("dataset") == "fortunes":
+        data = f"the fortunes corpus, batch {shared['batch_size']} x {shared.get('context')} bytes"
+    else:
+        data = f"Fashion-MNIST, batch {shared['batch_size']}"
     title = (
-        f"{results['workload']} on Fashion-MNIST, batch {shared['batch_size']}, "
+        f"{results['workload']} on {data}, "
         f"{len(shared['seeds'])} seed(s) (median seed bold), {shared['nproc']} process(es); "
-        f"dashed: target {target:.1%}"
+        f"dashed: target {metric.target_short(target)}"
     )
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -317,12 +372,12 @@ def write_plot(runs: Sequence[RunResult], results: dict[str, Any], path: Path) -
 
 
 def write_outputs(runs: Sequence[RunResult], results: dict[str, Any], out_dir: Path) -> list[Path]:
-    """Write ``results.json``, ``evaluations.csv`` and ``accuracy.png``; their paths."""
+    """Write ``results.json``, ``evaluations.csv`` and the plot (:func:`plot_name`); their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [
         out_dir / "results.json",
         out_dir / "evaluations.csv",
-        out_dir / "accuracy.png",
+        out_dir / plot_name(results),
     ]
     write_results(results, paths[0])
     write_csv(runs, paths[1])
@@ -396,12 +451,21 @@ def _summary_notes(summary: dict[str, Any]) -> list[str]:
         "reach the target; '(none)': it did, no arm it is compared with did.",
     ]
     targets = ", ".join(
-        f"{name} {w['target_accuracy']:.1%} in {w['epochs']} epoch(s)"
+        f"{name} {_workload_target(w)} in {_budget(w)}"
         + (" [provisional]" if w["provisional"] else "")
         for name, w in summary["workloads"].items()
     )
     notes.append(f"Targets: {targets}.")
     return notes
+
+
+def _workload_target(entry: dict[str, Any]) -> str:
+    """A workload's target in the summary's notes: ``91.0%`` or ``validation loss <= 1.50 ...``."""
+    if "target_accuracy" in entry:
+        return f"{entry['target_accuracy']:.1%}"
+    metric = METRICS.get(str(entry.get("metric")), METRICS["accuracy"])
+    sign = "" if metric.higher_is_better else "<= "
+    return f"{metric.label} {sign}{entry['target']:.2f} {metric.unit}".rstrip()
 
 
 def format_summary(summary: dict[str, Any]) -> str:

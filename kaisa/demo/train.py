@@ -4,9 +4,21 @@ The training clock covers everything a training step does (batch gather,
 forward, backward, ``preconditioner.step()``, ``optimizer.step()``) and
 nothing else: evaluation on the test set, progress display and bookkeeping
 between steps run with the clock stopped. The learning rate follows a linear
-warm-up and then a cosine decay to zero at the end of the epoch budget, per
-step, with the same shape for every arm on the arm's own peak (each param
-group at its ``"lr_scale"`` times that, see :mod:`kaisa.demo.optimizers`).
+warm-up and then a cosine decay to zero at the end of the budget (epochs, or
+steps for a workload with a step budget), per step, with the same shape for
+every arm on the arm's own peak (each param group at its ``"lr_scale"``
+times that, see :mod:`kaisa.demo.optimizers`).
+
+Two kinds of workload share the loop. An image workload (Fashion-MNIST)
+takes each epoch's batches from a permutation of the training images and is
+evaluated by its test accuracy (higher is better). The language model
+(``DemoConfig.dataset == "fortunes"``) takes each step's batch of byte
+windows at random offsets of the training stream
+(:meth:`~kaisa.demo.text.TextCorpus.sample_batch`) and is evaluated on the
+fixed validation windows by its mean next-byte cross-entropy in nats per byte
+(lower is better; :func:`evaluate_text`). Either way the batches depend on
+the seed only, and ``DemoConfig.metric`` decides what "reached the target"
+means (:data:`~kaisa.demo.config.METRICS`).
 
 The kaisa arms construct ``KFACPreconditioner(model, lr=<the optimizer's
 current learning rate>)`` plus only the overrides in ``ArmConfig.kfac``: the
@@ -45,9 +57,11 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kaisa.demo.config import ArmConfig, DemoConfig
-from kaisa.demo.data import NUM_CLASSES, FashionMNIST
+from kaisa.demo.config import METRICS, ArmConfig, DemoConfig, Metric
+from kaisa.demo.data import NUM_CLASSES
+from kaisa.demo.datasets import Dataset
 from kaisa.demo.optimizers import TrainingOptimizer, build_optimizer
+from kaisa.demo.text import TextCorpus
 
 __all__ = [
     "DistContext",
@@ -55,6 +69,7 @@ __all__ = [
     "RunResult",
     "build_demo_model",
     "evaluate",
+    "evaluate_text",
     "kfac_options",
     "train_arm",
     "train_arms_in_lockstep",
@@ -93,7 +108,12 @@ class DistContext:
 
 @dataclass(frozen=True)
 class EvalPoint:
-    """One evaluation on the test set during a run."""
+    """One evaluation on the held-out data during a run.
+
+    For an image workload the test set's accuracy and mean cross-entropy; for
+    the language model the fixed validation windows' next-byte accuracy and
+    mean cross-entropy in nats per byte.
+    """
 
     arm: str
     seed: int
@@ -103,6 +123,10 @@ class EvalPoint:
     test_accuracy: float
     test_loss: float
     train_loss: float
+
+    def value(self, metric: str) -> float:
+        """The value of ``metric`` (``"accuracy"`` or ``"val_loss"``) at this evaluation."""
+        return self.test_loss if metric == "val_loss" else self.test_accuracy
 
 
 @dataclass
@@ -129,6 +153,14 @@ class RunResult:
     #: What kaisa's time budget chose: each layer's representations, the
     #: intervals, the modelled share (K-FAC arms with an automatic choice only).
     kfac_choice: dict[str, Any] = field(default_factory=dict)
+    #: What the run is measured by (a key of ``METRICS``): which evaluation
+    #: value the target applies to and which way is better.
+    metric: str = "accuracy"
+
+    @property
+    def metric_spec(self) -> Metric:
+        """The :class:`~kaisa.demo.config.Metric` of ``metric``."""
+        return METRICS[self.metric]
 
     @property
     def seconds_per_step(self) -> float:
@@ -155,23 +187,46 @@ class RunResult:
         """Highest test accuracy seen at any evaluation."""
         return max(p.test_accuracy for p in self.points) if self.points else None
 
+    @property
+    def final_value(self) -> float | None:
+        """The metric's value at the last evaluation."""
+        return self.points[-1].value(self.metric) if self.points else None
+
+    @property
+    def best_value(self) -> float | None:
+        """The metric's best value at any evaluation (highest accuracy, lowest loss)."""
+        if not self.points:
+            return None
+        return self.metric_spec.best([p.value(self.metric) for p in self.points])
+
     def first_reaching(self, target: float) -> EvalPoint | None:
-        """The first evaluation whose test accuracy is at least ``target``."""
+        """The first evaluation that reaches ``target``.
+
+        That is, whose test accuracy is at least ``target`` (or, for a loss
+        metric, whose loss is at most ``target``).
+        """
+        metric = self.metric_spec
         for p in self.points:
-            if p.test_accuracy >= target:
+            if metric.reached(p.value(self.metric), target):
                 return p
         return None
 
     def summary(self, target: float) -> dict[str, Any]:
-        """A JSON-ready summary of this run."""
+        """A JSON-ready summary of this run.
+
+        The metric's last and best values are ``final_<key>`` and
+        ``best_<key>`` (``final_test_accuracy``, or ``final_val_loss`` for the
+        language model).
+        """
         hit = self.first_reaching(target)
+        key = self.metric_spec.key
         return {
             "seed": self.seed,
             "time_to_target_s": hit.train_seconds if hit else None,
             "steps_to_target": hit.step if hit else None,
             "epochs_to_target": hit.epoch if hit else None,
-            "final_test_accuracy": self.final_test_accuracy,
-            "best_test_accuracy": self.best_test_accuracy,
+            f"final_{key}": self.final_value,
+            f"best_{key}": self.best_value,
             "train_seconds": self.train_seconds,
             "steps": self.steps,
             "seconds_per_step": self.seconds_per_step,
@@ -200,11 +255,30 @@ def warmup_cosine(peak: float, warmup_steps: int, total_steps: int) -> Callable[
     return lr
 
 
-def build_demo_model(name: str, image_shape: tuple[int, int, int]) -> nn.Module:
-    """The named network from :mod:`kaisa.models` for this data's images."""
+def build_demo_model(
+    name: str, image_shape: tuple[int, int, int] | None = None, *, context: int | None = None
+) -> nn.Module:
+    """The named network from :mod:`kaisa.models` for the data.
+
+    For images, ``image_shape`` ``(C, H, W)``: the network for ``C`` channels
+    and Fashion-MNIST's classes. For text, ``context``: the byte-level
+    language model with that context (``image_shape`` is then ``None``).
+    """
     from kaisa.models import build_model
 
+    if context is not None:
+        from kaisa.demo.text import VOCAB_SIZE
+
+        return build_model(name, vocab_size=VOCAB_SIZE, context=context)
+    if image_shape is None:
+        raise ValueError("build_demo_model needs image_shape for images or context for text")
     return build_model(name, in_channels=image_shape[0], num_classes=NUM_CLASSES)
+
+
+def _model_for(config: DemoConfig, data: Dataset) -> nn.Module:
+    if isinstance(data, TextCorpus):
+        return build_demo_model(config.model, context=config.context)
+    return build_demo_model(config.model, data.image_shape)
 
 
 @torch.no_grad()
@@ -232,6 +306,35 @@ def evaluate(
         correct += float((out.argmax(dim=1) == target).sum())
     model.train(was_training)
     correct, loss_sum, count = dist.all_reduce_sum([correct, loss_sum, float(xs.shape[0])])
+    return correct / count, loss_sum / count
+
+
+@torch.no_grad()
+def evaluate_text(
+    model: nn.Module, windows: Tensor, dist: DistContext, batch_size: int = 64
+) -> tuple[float, float]:
+    """Next-byte accuracy and mean cross-entropy (nats per byte) over ``windows``.
+
+    ``windows`` ``(W, T + 1)`` are the fixed validation windows: the model
+    reads each window's first ``T`` bytes and is scored on predicting the
+    last ``T``, every position counting once. Runs in eval mode without
+    gradients; the windows are split across ranks and the sums all-reduced.
+    """
+    was_training = model.training
+    model.eval()
+    mine = windows[dist.rank :: dist.world]
+    correct = 0.0
+    loss_sum = 0.0
+    for i in range(0, mine.shape[0], batch_size):
+        chunk = mine[i : i + batch_size]
+        x, y = chunk[:, :-1], chunk[:, 1:]
+        logits = model(x)
+        flat = logits.reshape(-1, logits.shape[-1])
+        loss_sum += float(F.cross_entropy(flat, y.reshape(-1), reduction="sum"))
+        correct += float((flat.argmax(dim=1) == y.reshape(-1)).sum())
+    model.train(was_training)
+    count = float(mine.shape[0] * max(0, windows.shape[1] - 1))
+    correct, loss_sum, count = dist.all_reduce_sum([correct, loss_sum, count])
     return correct / count, loss_sum / count
 
 
@@ -274,18 +377,19 @@ def _current_rss_mb() -> float | None:
 # --- training ------------------------------------------------------------------
 
 
-def _eval_interval(config: DemoConfig, last_acc: float | None, reached: bool) -> int:
-    """Steps until the next evaluation: fine-grained only just below the target.
+def _eval_interval(config: DemoConfig, last: float | None, reached: bool) -> int:
+    """Steps until the next evaluation: fine-grained only just short of the target.
 
-    Evaluation is excluded from the clock but not free, so the test set is
-    evaluated every ``eval_every`` steps, and every ``eval_every_near`` steps
-    while the accuracy is within ``near_margin`` below a target not reached
-    yet, where the time to the target is decided. Both arms follow the same rule.
+    Evaluation is excluded from the clock but not free, so the held-out data
+    is evaluated every ``eval_every`` steps, and every ``eval_every_near``
+    steps while the metric's last value ``last`` is within ``near_margin`` of
+    a target not reached yet (below it for an accuracy, above it for a loss),
+    where the time to the target is decided. Every arm follows the same rule.
     """
     near = (
         not reached
-        and last_acc is not None
-        and config.target_accuracy - config.near_margin <= last_acc < config.target_accuracy
+        and last is not None
+        and config.metric_spec.near(last, config.target, config.near_margin)
     )
     if near:
         return config.eval_every_near or max(1, config.eval_every // 4)
@@ -343,7 +447,7 @@ def _kfac_phase_seconds(pre: Any) -> dict[str, float]:
 
 
 def train_arm(
-    data: FashionMNIST,
+    data: Dataset,
     config: DemoConfig,
     arm: ArmConfig,
     seed: int,
@@ -351,7 +455,7 @@ def train_arm(
     progress: bool = False,
     stop_at_target: bool = False,
 ) -> RunResult:
-    """Train ``config.model`` with ``arm``'s optimizer for ``config.epochs`` epochs.
+    """Train ``config.model`` with ``arm``'s optimizer over ``config``'s budget.
 
     The model's initial weights and the order of the training batches depend on
     ``seed`` only, so all arms of a comparison start from the same weights and
@@ -363,7 +467,7 @@ def train_arm(
 
 
 def train_arms_in_lockstep(
-    data: FashionMNIST,
+    data: Dataset,
     config: DemoConfig,
     arms: Sequence[ArmConfig],
     seed: int,
@@ -406,7 +510,7 @@ def train_arms_in_lockstep(
 
 
 def _arm_run(
-    data: FashionMNIST,
+    data: Dataset,
     config: DemoConfig,
     arm: ArmConfig,
     seed: int,
@@ -419,19 +523,40 @@ def _arm_run(
     batch = config.batch_size
     if batch % dist.world:
         raise ValueError(f"batch size {batch} is not divisible by {dist.world} processes")
-    n_train = data.train_x.shape[0]
-    steps_per_epoch = n_train // batch
-    if steps_per_epoch < 1:
-        raise ValueError(f"batch size {batch} is larger than the training set ({n_train})")
-    total_steps = steps_per_epoch * config.epochs
-    warmup_steps = round(config.warmup_epochs * steps_per_epoch)
+    text = isinstance(data, TextCorpus)
+    if isinstance(data, TextCorpus):
+        n_train = int(data.train.numel())
+        steps_per_epoch = data.steps_per_epoch(batch, config.context)
+        if steps_per_epoch < 1:
+            raise ValueError(
+                f"batch size {batch} x {config.context} bytes is larger than the training "
+                f"stream ({n_train} bytes)"
+            )
+        val_windows = data.validation_windows(config.context)
+    else:
+        n_train = data.train_x.shape[0]
+        steps_per_epoch = n_train // batch
+        if steps_per_epoch < 1:
+            raise ValueError(f"batch size {batch} is larger than the training set ({n_train})")
+    total_steps = (
+        config.max_steps if config.max_steps is not None else steps_per_epoch * config.epochs
+    )
+    last_step = total_steps if config.step_limit is None else min(total_steps, config.step_limit)
+    epochs = -(-total_steps // steps_per_epoch)
+    warmup_steps = (
+        config.warmup_steps
+        if config.warmup_steps is not None
+        else round(config.warmup_epochs * steps_per_epoch)
+    )
     schedule = warmup_cosine(arm.lr, warmup_steps, total_steps)
+    metric = config.metric_spec
 
     torch.manual_seed(seed)
-    model: nn.Module = build_demo_model(config.model, data.image_shape)
-    layout = torch.channels_last if config.channels_last else torch.contiguous_format
-    # Module.to(memory_format=...) is documented but missing from torch's stubs.
-    model = model.to(memory_format=layout)  # type: ignore[call-overload]
+    model: nn.Module = _model_for(config, data)
+    layout = torch.channels_last if config.channels_last and not text else torch.contiguous_format
+    if not text:
+        # Module.to(memory_format=...) is documented but missing from torch's stubs.
+        model = model.to(memory_format=layout)  # type: ignore[call-overload]
     if dist.world > 1:
         model = nn.parallel.DistributedDataParallel(model)
     model.train()
@@ -443,7 +568,9 @@ def _arm_run(
 
     reset_ok = _reset_peak_rss()
     rss_before = _current_rss_mb()
-    result = RunResult(arm.name, seed, 0, steps_per_epoch, 0.0, optimizer_info=optimizer_info)
+    result = RunResult(
+        arm.name, seed, 0, steps_per_epoch, 0.0, optimizer_info=optimizer_info, metric=config.metric
+    )
     if pre is not None:
         result.kfac_options = kfac_options(pre)
     clock = 0.0
@@ -453,42 +580,53 @@ def _arm_run(
     loss_sum = 0.0
     loss_count = 0
     step = 0
-    last_acc: float | None = None
+    last: float | None = None
     reached = False
     next_eval = _eval_interval(config, None, False)
 
     def record() -> None:
-        nonlocal loss_sum, loss_count, last_acc
-        acc, test_loss = evaluate(model, data.test_x, data.test_y, dist, memory_format=layout)
+        nonlocal loss_sum, loss_count, last
+        if isinstance(data, TextCorpus):
+            acc, test_loss = evaluate_text(model, val_windows, dist)
+        else:
+            acc, test_loss = evaluate(model, data.test_x, data.test_y, dist, memory_format=layout)
         train_loss = dist.all_reduce_sum([loss_sum])[0] / max(1, loss_count * dist.world)
-        result.points.append(
-            EvalPoint(
-                arm.name, seed, step, step / steps_per_epoch, clock, acc, test_loss, train_loss
-            )
+        point = EvalPoint(
+            arm.name, seed, step, step / steps_per_epoch, clock, acc, test_loss, train_loss
         )
-        loss_sum, loss_count, last_acc = 0.0, 0, acc
+        result.points.append(point)
+        loss_sum, loss_count, last = 0.0, 0, point.value(config.metric)
 
     show = progress and dist.is_main
     lines = (
-        _ProgressLines(config, arm.name, seed, total_steps)
+        _ProgressLines(config, arm.name, seed, last_step, epochs)
         if show and _terminal_columns() == 0
         else None
     )
-    for epoch in range(config.epochs):
-        perm = torch.randperm(n_train, generator=order)
-        desc = f"{arm.name:>11} seed {seed} epoch {epoch + 1}/{config.epochs}"
-        bar = _EpochBar(steps_per_epoch, desc, position) if show else None
+    postfix = "test acc" if metric.name == "accuracy" else "val loss"
+    done = False
+    for epoch in range(epochs):
+        if not text:
+            perm = torch.randperm(n_train, generator=order)
+        in_epoch = min(steps_per_epoch, last_step - step)
+        desc = f"{arm.name:>11} seed {seed} epoch {epoch + 1}/{epochs}"
+        bar = _EpochBar(in_epoch, desc, position) if show else None
         epoch_clock = clock
         epoch_loss = 0.0
-        for i in range(steps_per_epoch):
+        for i in range(in_epoch):
             t0 = time.perf_counter()
-            idx = perm[i * batch : (i + 1) * batch][dist.rank :: dist.world]
-            x, y = data.train_x[idx].contiguous(memory_format=layout), data.train_y[idx]
+            if isinstance(data, TextCorpus):
+                x, y = data.sample_batch(batch, config.context, order)
+                x, y = x[dist.rank :: dist.world], y[dist.rank :: dist.world]
+            else:
+                idx = perm[i * batch : (i + 1) * batch][dist.rank :: dist.world]
+                x, y = data.train_x[idx].contiguous(memory_format=layout), data.train_y[idx]
             lr = schedule(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
             optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x), y)
+            out = model(x)
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
             torch.autograd.backward(loss)
             if pre is not None:
                 before = _phase_total(pre)
@@ -509,24 +647,25 @@ def _arm_run(
             if bar is not None:
                 epoch_loss += value
                 post = f"loss {epoch_loss / (i + 1):.3f}"
-                if last_acc is not None:
-                    post += f" test acc {last_acc:.4f}"
+                if last is not None:
+                    post += f" {postfix} {last:.4f}"
                 bar.update(post)
-            if step >= next_eval or step == total_steps:
+            if step >= next_eval or step == last_step:
                 record()
-                reached = reached or (last_acc is not None and last_acc >= config.target_accuracy)
-                next_eval = step + _eval_interval(config, last_acc, reached)
+                reached = reached or (last is not None and metric.reached(last, config.target))
+                next_eval = step + _eval_interval(config, last, reached)
                 if reached and stop_at_target:
+                    done = True
                     break
             if lines is not None:
-                lines.step(step, epoch, clock, last_acc)
+                lines.step(step, epoch, clock, last)
             yield
         if bar is not None:
-            final = "diverged" if result.diverged else f"loss {epoch_loss / steps_per_epoch:.3f}"
-            if last_acc is not None:
-                final += f" test acc {last_acc:.4f}"
+            final = "diverged" if result.diverged else f"loss {epoch_loss / max(1, in_epoch):.3f}"
+            if last is not None:
+                final += f" {postfix} {last:.4f}"
             bar.close(final, clock - epoch_clock)
-        if result.diverged or (reached and stop_at_target):
+        if result.diverged or done or step >= last_step:
             break
     if result.diverged and (not result.points or result.points[-1].step != step):
         record()
@@ -623,27 +762,31 @@ class _ProgressLines:
     have passed since the arm's last line (or its start), one line names the
     workload, arm and seed, the step, the wall time since the run started (in
     lockstep that includes the other arms' steps and the evaluations), the
-    arm's training clock and the last test accuracy.
+    arm's training clock and the last value of the workload's metric ("last
+    test acc", or "last val loss" for the language model).
     """
 
-    def __init__(self, config: DemoConfig, arm: str, seed: int, total_steps: int) -> None:
+    def __init__(
+        self, config: DemoConfig, arm: str, seed: int, total_steps: int, epochs: int
+    ) -> None:
         self._prefix = f"[progress] workload {config.name}, arm {arm}, seed {seed}"
-        self._epochs = config.epochs
+        self._epochs = epochs
         self._total = total_steps
         self._every = config.progress_seconds
+        self._label = "test acc" if config.metric == "accuracy" else "val loss"
         self._start = time.perf_counter()
         self._last = self._start
 
-    def step(self, step: int, epoch: int, train_seconds: float, last_acc: float | None) -> None:
+    def step(self, step: int, epoch: int, train_seconds: float, last: float | None) -> None:
         """After a training step: print the line if it is time for one."""
         now = time.perf_counter()
         if now - self._last < self._every:
             return
         self._last = now
-        acc = "none yet" if last_acc is None else f"{last_acc:.4f}"
+        value = "none yet" if last is None else f"{last:.4f}"
         print(
             f"{self._prefix}: step {step}/{self._total} (epoch {epoch + 1}/{self._epochs}), "
             f"elapsed {_duration(now - self._start)}, train clock {_duration(train_seconds)}, "
-            f"last test acc {acc}",
+            f"last {self._label} {value}",
             flush=True,
         )
