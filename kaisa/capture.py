@@ -9,6 +9,53 @@ has its output gradient (gradient accumulation counts them up to
 complete submits its sums to the factor all-reduce from the hook, so the
 traffic overlaps the rest of the backward pass.
 
+**An iteration is a transaction** (spec §11). Captures belong to one
+iteration: from the first training forward after a ``step()`` (or
+construction) to the next ``step()``, which folds them. An iteration that
+ends otherwise leaves nothing behind for the next:
+
+* ``preconditioner.discard_captures()`` (:meth:`Capturer.discard`) drops
+  them, silently;
+* a training forward of the model that begins after ``accumulation_steps``
+  passes of this iteration had their backward pass (a skipped batch, an
+  exception between ``backward()`` and ``step()``, a ``step()`` that raised,
+  Ctrl-C during a backward pass, more passes per step than
+  ``accumulation_steps``) begins a new iteration: the previous one is
+  *abandoned* (:meth:`Capturer.abandon`) and its captures dropped, with one
+  warning per preconditioner. Fewer passes than ``accumulation_steps`` are
+  taken as the same iteration going on (they are folded at the next
+  ``step()``): only ``discard_captures()`` can tell them apart from
+  gradient accumulation. Layers called outside the model's forward (no
+  forward of the model numbers the passes) begin a new iteration when a call
+  starts a pass of a layer that already completed ``accumulation_steps``.
+
+Output gradients of a call that arrive after its first one, or after its
+iteration ended, are ignored. With several ranks, on a factor-update step,
+the ranks check that all of them end the iteration alike, in every discard
+and every ``step()``: a 2-element all-reduce where both have issued the same
+collectives (after every factor bucket with the products in the hooks,
+before any without). A rank that discards while another calls ``step()``
+raises :class:`~kaisa.distributed.agreement.RankDisagreementError`, on both,
+instead of hanging or dying in mismatched collectives; when all discard, the
+factor all-reduce the hooks launched is completed and dropped (every rank
+launches every bucket once). Skipping a batch on every rank is fine; on some
+ranks only it is an error (DDP has already averaged its gradient).
+
+**Several backward passes through one forward.** The first output gradient
+that reaches a call enters the factors; later ones for the same call are
+ignored. Autograd calls a tensor hook at most once per backward pass (or
+``torch.autograd.grad``) that reaches the tensor, with a gradient of the
+tensor's shape, and the graphs made by ``create_graph=True`` do not call it
+again. So with two losses through one graph
+(``l1.backward(retain_graph=True); l2.backward()``) ``G`` holds ``l1``'s
+``δ`` (sum the losses into one ``backward()`` to have ``G`` of the sum); with a
+gradient penalty (``g = autograd.grad(loss, params, create_graph=True)``,
+then ``(loss + λ‖g‖²).backward()``) and with input saliency
+(``autograd.grad(loss, x, retain_graph=True)``, then ``loss.backward()``) it
+holds the loss's ``δ``, as without the extra pass. A call that only a later
+pass reaches (``autograd.grad`` of some parameters first) takes its first
+gradient from that pass.
+
 :class:`LayerCaptures` is one layer's bookkeeping for the current iteration;
 :class:`Capturer` is what the hooks call. Neither knows the maths of a factor
 (the layer handler turns rows into sums) nor where the sums go after the
@@ -18,13 +65,14 @@ all-reduce (the front door folds them).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from kaisa.curvature.linalg import split_invariant_g, unscale
+from kaisa.distributed.agreement import RankDisagreementError
 from kaisa.distributed.comm import Communicator, Payload, PayloadKey
 from kaisa.engines.pipelining import inferring_pipeline_shapes
 from kaisa.layers import LayerHandler
@@ -68,7 +116,6 @@ class LayerCaptures:
     inputs: list[torch.Tensor] = field(default_factory=list)
     grad_outputs: list[torch.Tensor] = field(default_factory=list)
     submitted: bool = False
-    extra_passes: int = 0  # forward calls beyond accumulation_steps this iteration
 
     @property
     def pending(self) -> int:
@@ -76,9 +123,8 @@ class LayerCaptures:
         return sum(self.open_passes.values())
 
     def reset(self) -> None:
-        """Forget the iteration (at the end of every ``step()``)."""
+        """Forget the iteration (at the end of every ``step()``, or when it is discarded)."""
         self.called = False
-        self.extra_passes = 0
         self.micro_batches = 0
         self.open_passes.clear()
         self.last_pass = 0
@@ -111,10 +157,26 @@ class LayerCaptures:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@dataclass(eq=False)
+class _Call:
+    """One captured call of a layer, until its first output gradient arrives.
+
+    ``x`` is the call's input (``None`` once its first gradient has been
+    taken); ``iteration`` the serial of the iteration it belongs to.
+    """
+
+    layer: LayerCaptures
+    select: GradSelect
+    x: torch.Tensor | None
+    pass_id: int
+    iteration: int
+
+
 class Capturer:
     """What the forward and output-gradient hooks do, for every registered layer.
 
     Args:
+        layers: every registered layer's captures (the objects the hooks fill).
         comm: where complete sums go (with several ranks, from the hook).
         telemetry: the ``capture`` and ``factor_products`` timers.
         accumulation_steps: passes per ``step()``.
@@ -128,6 +190,7 @@ class Capturer:
 
     def __init__(
         self,
+        layers: Sequence[LayerCaptures],
         comm: Communicator,
         telemetry: Telemetry,
         *,
@@ -137,6 +200,7 @@ class Capturer:
         device_type: str,
         grad_scale: Callable[[], float] | None,
     ) -> None:
+        self.layers = list(layers)
         self.comm = comm
         self.telemetry = telemetry
         self.accumulation_steps = accumulation_steps
@@ -146,13 +210,25 @@ class Capturer:
         self.grad_scale = grad_scale
         #: Whether calls in this iteration capture (a factor-update step).
         self.enabled = False
+        #: The iteration's serial: output gradients of a call made in an
+        #: earlier (folded or discarded) iteration are ignored.
+        self.iteration = 0
+        #: A training forward (of the model or of a registered layer) ran in it.
+        self.began = False
         self.root_passes = 0  # the model's training forward calls in this iteration
         self.ignored_passes: set[int] = set()  # of those, a pipeline's shape inference
+        #: Passes of this iteration that some output gradient reached.
+        self.backward_passes: set[int] = set()
         self.step_scale: float | None = None  # the loss scale, read once per iteration
+        self.abandoned = 0  # iterations abandoned so far (see abandon)
 
     # -- hooks ---------------------------------------------------------------------
     def root_forward(self, module: nn.Module) -> None:
         """A forward pass of the whole model (training, autograd on) begins."""
+        if len(self.backward_passes) >= self.accumulation_steps:
+            # accumulation_steps passes had their backward and no step() came.
+            self.abandon()
+        self.began = True
         self.root_passes += 1
         # (Only a capture can take a placeholder pass for a micro-batch.)
         if self.enabled and inferring_pipeline_shapes():
@@ -165,24 +241,29 @@ class Capturer:
         if not (layer.handler.module.training and torch.is_grad_enabled() and output.requires_grad):
             return  # evaluation, or no gradient will reach this call
         layer.called = True
+        self.began = True
         if not self.enabled:
             return
         pass_id = self.pass_of(layer)
         if pass_id in self.ignored_passes:
             return
         if pass_id not in layer.open_passes and layer.micro_batches >= self.accumulation_steps:
-            # A pass beyond accumulation_steps: step() refuses it (with several
-            # ranks the factors are already on their way).
-            layer.extra_passes += 1
-            return
+            if self.root_passes:
+                # Called outside the model's forward after this pass completed for
+                # the layer (the model's next forward begins a new iteration).
+                return
+            # No forward of the model numbers the passes: a pass beyond
+            # accumulation_steps of this layer begins a new iteration.
+            self.abandon()
+            layer.called = self.began = True
+            pass_id = self.pass_of(layer)
         with self.telemetry.timer("capture"):
             layer.open_passes[pass_id] = layer.open_passes.get(pass_id, 0) + 1
             # The input enters A only when its output gradient arrives: a forward
             # whose backward never runs leaves no trace in the factors. Autograd
             # holds the input for the weight gradient anyway.
-            output.register_hook(  # type: ignore[no-untyped-call]
-                functools.partial(self._grad_output, layer, select, x.detach(), pass_id)
-            )
+            call = _Call(layer, select, x.detach(), pass_id, self.iteration)
+            output.register_hook(functools.partial(self._grad_output, call))  # type: ignore[no-untyped-call]
 
     def pass_of(self, layer: LayerCaptures) -> int:
         """The forward/backward pass a call of ``layer`` belongs to.
@@ -199,20 +280,21 @@ class Capturer:
             layer.last_pass -= 1  # negative: apart from the model's numbering
         return layer.last_pass
 
-    def _grad_output(
-        self,
-        layer: LayerCaptures,
-        select: GradSelect,
-        x: torch.Tensor,
-        pass_id: int,
-        grad: torch.Tensor,
-    ) -> None:
+    def _grad_output(self, call: _Call, grad: torch.Tensor) -> None:
+        x = call.x
+        if x is None or call.iteration != self.iteration:
+            # A later backward pass through the same call (retain_graph, a
+            # gradient penalty, autograd.grad before backward), or a call of an
+            # iteration already folded or discarded: the first gradient counted.
+            return
+        call.x = None
+        layer, pass_id = call.layer, call.pass_id
         with torch.autocast(self.device_type, enabled=False):
             with self.telemetry.timer("capture"):
                 if x.is_floating_point():  # (an embedding's indices stay integers)
                     x = x.to(self.product_dtype)
-                if select is not None:
-                    grad = select(grad)
+                if call.select is not None:
+                    grad = call.select(grad)
                 delta = grad.detach().to(self.product_dtype)
                 if self.step_scale is None and self.grad_scale is not None:
                     self.step_scale = self.grad_scale()
@@ -227,6 +309,7 @@ class Capturer:
             else:
                 layer.inputs.append(x)
                 layer.grad_outputs.append(delta)
+            self.backward_passes.add(pass_id)
             left = layer.open_passes[pass_id] - 1
             if left:
                 layer.open_passes[pass_id] = left
@@ -240,6 +323,66 @@ class Capturer:
                 and not layer.open_passes
             ):
                 self.submit(layer)
+
+    # -- the end of an iteration without step() --------------------------------------
+    def abandon(self) -> None:
+        """A new iteration began before ``step()``: drop the previous one's captures.
+
+        Warned about once per preconditioner (:attr:`abandoned` counts them).
+        """
+        if not self.abandoned:
+            warn(
+                f"kaisa: a training forward began after {self.accumulation_steps} "
+                "forward/backward pass(es) with no preconditioner.step(): the previous "
+                "iteration's captures are discarded (a skipped batch, an exception before "
+                "step(), or more passes per step than accumulation_steps="
+                f"{self.accumulation_steps}: then set accumulation_steps); call "
+                "preconditioner.discard_captures() to discard them without this warning "
+                "(reported once)"
+            )
+        self.abandoned += 1
+        self.discard()
+
+    def discard(self) -> None:
+        """Drop the current iteration's captures: the next training forward starts afresh.
+
+        With several ranks, on a factor-update step that began, the factor
+        all-reduce the hooks may have launched is completed (and dropped) and
+        the ranks check that each of them discards this iteration.
+        """
+        if self.enabled and self.began and self.comm.distributed:
+            if self.update_in_hook:
+                self.comm.reduced_factors()  # every bucket, once, on every rank
+            self.agree(discarding=True)
+        self.end_iteration()
+
+    def agree(self, *, discarding: bool) -> None:
+        """With several ranks: check that every rank ends this iteration alike.
+
+        Called once per factor-update iteration, by :meth:`discard` and by
+        ``step()`` (:meth:`collect`, :meth:`settle`), where both have issued
+        the same collectives: with the products in the hooks, after every
+        factor bucket (some the hooks launched, the rest launched here, a
+        data-dependent branch may make the split differ between ranks);
+        without, before any. Ranks where one discards while another steps
+        raise :class:`RankDisagreementError` (both of them).
+        """
+        if not self.comm.distributed:
+            return
+        discarded, stepped = self.comm.any_rank([discarding, not discarding])
+        if discarded and stepped:
+            mine = (
+                "discarded this iteration's captures (a training forward began a new "
+                "iteration before step(), or discard_captures())"
+                if discarding
+                else "called step()"
+            )
+            raise RankDisagreementError(
+                f"kaisa: rank {self.comm.rank} {mine} while other ranks "
+                f"{'called step()' if discarding else 'discarded it'}: every rank must "
+                "skip the same batches (a batch skipped after backward() on some ranks "
+                "only leaves the ranks' weights and steps apart)"
+            )
 
     # -- at step() -----------------------------------------------------------------
     def factor_sums(self, layer: LayerCaptures) -> Payload | None:
@@ -270,24 +413,27 @@ class Capturer:
         if batch is not None:
             self.comm.submit_factors(layer.name, batch)
 
-    def check_passes(self, layers: list[LayerCaptures]) -> None:
-        """Refuse a ``step()`` after more passes than ``accumulation_steps`` (a RuntimeError)."""
-        extra = max(layer.extra_passes for layer in layers)
-        if extra:
-            # With several ranks the factors left in the backward pass that
-            # completed accumulation_steps; later passes cannot reach them.
-            raise RuntimeError(
-                f"kaisa: more forward/backward passes before this step() than "
-                f"accumulation_steps={self.accumulation_steps} ({extra} more): set "
-                "accumulation_steps to the number of passes per optimizer step"
-            )
+    def collect(self) -> dict[str, dict[PayloadKey, tuple[torch.Tensor, float]]]:
+        """At a factor-update ``step()``: the batch factors, all-reduced (:meth:`close` first).
 
-    def close(self, layers: list[LayerCaptures]) -> None:
+        With several ranks the ranks also check that every one of them steps
+        (:meth:`agree`).
+        """
+        if not self.update_in_hook:
+            self.agree(discarding=False)
+        self.close()
+        payloads = self.comm.reduced_factors()
+        if self.update_in_hook:
+            self.agree(discarding=False)
+        return payloads
+
+    def close(self) -> None:
         """At a factor-update ``step()``: drop unfinished passes, submit what is not yet sent.
 
-        Warns when fewer passes than ``accumulation_steps`` completed, and for
-        each layer that ran forward without a backward pass.
+        Warns when fewer passes than ``accumulation_steps`` completed, and once
+        when layers ran forward without a backward pass.
         """
+        layers = self.layers
         passes = max(layer.micro_batches for layer in layers)
         if 0 < passes < self.accumulation_steps:
             warn(
@@ -295,20 +441,37 @@ class Capturer:
                 f"accumulation_steps={self.accumulation_steps}: the factors hold what "
                 "there was; set accumulation_steps to the passes per step"
             )
+        unfinished = [layer.name for layer in layers if layer.open_passes]
+        if unfinished:
+            warn(
+                f"kaisa: {len(unfinished)} layer(s) ran forward without a backward pass this "
+                f"step (e.g. {unfinished[0]!r}); their unfinished captures are dropped"
+            )
         for layer in layers:
-            if layer.open_passes:
-                warn(
-                    f"kaisa: layer {layer.name!r} ran forward without a backward pass this "
-                    "step; its unfinished captures are dropped"
-                )
-                layer.open_passes.clear()
+            layer.open_passes.clear()
             if not layer.submitted:
                 self.submit(layer)
 
-    def end_iteration(self, layers: list[LayerCaptures]) -> None:
-        """Forget the iteration's captures (at the end of every ``step()``)."""
-        for layer in layers:
+    def settle(self) -> None:
+        """A factor-update ``step()`` that folds nothing (the model in evaluation mode).
+
+        With several ranks the factor all-reduce the hooks may have launched
+        is completed and dropped, and the ranks agree that they stepped.
+        """
+        if self.comm.distributed:
+            if not self.update_in_hook:
+                self.agree(discarding=False)
+            self.comm.reduced_factors()
+            if self.update_in_hook:
+                self.agree(discarding=False)
+
+    def end_iteration(self) -> None:
+        """Forget the iteration's captures (at the end of every ``step()``, or a discard)."""
+        for layer in self.layers:
             layer.reset()
+        self.iteration += 1
+        self.began = False
         self.root_passes = 0
         self.ignored_passes.clear()
+        self.backward_passes.clear()
         self.step_scale = None

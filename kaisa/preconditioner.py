@@ -270,6 +270,7 @@ class KFACPreconditioner:
         #: The loss scale the captures and gradients carry (AMP, a DeepSpeed engine's).
         self.loss_scale = LossScale(options.grad_scaler)
         self._capturer = Capturer(
+            [layer.captures for layer in self._layers],
             self.comm,
             self.telemetry,
             accumulation_steps=options.accumulation_steps,
@@ -393,6 +394,24 @@ class KFACPreconditioner:
         large change of damping), whatever ``inv_update_steps`` says."""
         self._force_inverse_update = True
 
+    def discard_captures(self) -> None:
+        """Drop what this iteration captured so far: the next training forward starts afresh.
+
+        For a batch skipped after its forward or backward pass (a NaN loss, an
+        exception, ``optimizer.zero_grad()`` with no ``step()``): call it
+        instead of ``step()``, and the batch leaves no trace in the factors.
+        Factors, second-order state and the step count are unchanged. Without
+        it, a training forward that begins after ``accumulation_steps``
+        passes had their backward pass and no ``step()`` discards them too,
+        with a warning (once); fewer passes are taken as gradient accumulation
+        going on, and folded at the next ``step()``. With several ranks call
+        it on every rank alike (on a factor-update step it completes the
+        factor all-reduce already launched and checks that every rank
+        discards: a rank that discards while another steps raises
+        ``RankDisagreementError`` on both).
+        """
+        self._capturer.discard()
+
     @property
     def layers(self) -> tuple[RegisteredLayer, ...]:
         """The registered layers, in registration order (a read-only snapshot)."""
@@ -439,7 +458,11 @@ class KFACPreconditioner:
 
         Call after the backward pass(es) of a step and before ``optimizer.step()``.
         With a DeepSpeed engine call it after every ``engine.backward()``: on the
-        micro-steps where the engine only accumulates it does nothing.
+        micro-steps where the engine only accumulates it does nothing. It ends
+        the iteration: its captures are folded (on a factor-update step) and
+        forgotten. An iteration that ends without it (a skipped batch) is
+        dropped by :meth:`discard_captures`, or when the next one begins
+        (:mod:`kaisa.capture`).
         """
         if not self._grads.at_boundary():
             return  # a DeepSpeed micro-step inside an accumulation cycle
@@ -448,7 +471,6 @@ class KFACPreconditioner:
         # they were.
         hyper = self.hyperparameters()
         captures = [layer.captures for layer in self._layers]
-        self._capturer.check_passes(captures)
         if self.loss_scale.still_scaled() and self._once("scaled"):
             warn(
                 "kaisa: the grad_scaler has unscaled no optimizer's gradients this iteration: "
@@ -460,14 +482,17 @@ class KFACPreconditioner:
         self._peak_capture_bytes = max(self._peak_capture_bytes, held)
         self._auto.pass_ended()
         try:
-            if self._capturer.enabled and self.model.training:
-                hyper = self._update_factors(hyper)
+            if self._capturer.enabled:
+                if self.model.training:
+                    hyper = self._update_factors(hyper)
+                else:  # nothing to fold; the all-reduce the hooks launched completes
+                    self._capturer.settle()
             if self._steps % hyper.inv_update_steps == 0 or self._force_inverse_update:
                 self._update_second_order(hyper.damping)
                 self._force_inverse_update = False
             self._precondition(hyper)
         finally:
-            self._capturer.end_iteration(captures)
+            self._capturer.end_iteration()
             self._grads.release()
             self._steps += 1
             self._capturer.enabled = self._is_factor_step()
@@ -481,8 +506,7 @@ class KFACPreconditioner:
         Returns the hyperparameters in force after it (a choice sets intervals).
         """
         captures = [layer.captures for layer in self._layers]
-        self._capturer.close(captures)
-        payloads = self.comm.reduced_factors()
+        payloads = self._capturer.collect()
         self._check_idle(payloads)
         if not payloads:
             return hyper

@@ -46,6 +46,14 @@ def forward_without_backward() -> None:
     pre.step()
 
 
+def abandoned_iteration() -> None:
+    model = _net()
+    pre = kaisa.KFACPreconditioner(model, curvature="exact")
+    _loss(model).backward()  # no step(): the batch is skipped
+    _loss(model).backward()
+    pre.step()
+
+
 def fewer_passes_than_accumulation_steps() -> None:
     model = _net()
     pre = kaisa.KFACPreconditioner(model, curvature="exact", accumulation_steps=2)
@@ -100,6 +108,7 @@ def idle_layer() -> None:
 CASES: dict[str, tuple[Callable[..., None], str]] = {
     "grouped conv": (grouped_conv_at_construction, "grouped convolution"),
     "forward without backward": (forward_without_backward, "without a backward pass"),
+    "abandoned iteration": (abandoned_iteration, "captures are discarded"),
     "fewer passes": (fewer_passes_than_accumulation_steps, "accumulation_steps=2"),
     "failed decomposition": (failed_decomposition, "could not be decomposed"),
     "budget": (budget_not_met, "cannot be met"),
