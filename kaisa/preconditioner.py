@@ -75,8 +75,9 @@ class _Layer:
     handler: LayerHandler
     block: KroneckerBlock
     captures: LayerCaptures
-    #: Captured nothing on the last factor-update step (on any rank): no
-    #: second-order state, raw gradient, until it captures again.
+    #: Captured nothing on the last factor-update step (on any rank): its
+    #: factors and second-order state are kept, not folded or refreshed, and
+    #: its gradient is left raw until it captures again.
     dormant: bool = False
     #: This rank preconditions the layer's gradient (KAISA's plan; set with the plan).
     grad_worker: bool = True
@@ -547,30 +548,65 @@ class KFACPreconditioner:
     def _check_idle(self, payloads: Mapping[str, Mapping[PayloadKey, tuple[Any, float]]]) -> None:
         """Layers that captured nothing this factor-update step (rows are equal on every rank).
 
-        Each is reported once; its second-order state is released and its
-        factors start afresh, and it keeps its raw gradient until it captures.
+        Such a layer (it did not run, was frozen, saw a 0-row batch, a block
+        LayerDrop skipped, a second ``step()`` after one backward pass) keeps
+        its factors and second-order state: it is *dormant*, neither folded
+        nor decomposed, and its gradient is left raw until it captures again.
+        One whose parameters have a gradient though it was not called in an
+        iteration that ran forward (its weight used outside the module call
+        kaisa hooks) is reported once.
         """
+        began = self._capturer.began
         for layer in self._layers:
             payload = payloads.get(layer.name)
             captured = payload is not None and all(rows > 0 for _, rows in payload.values())
-            if captured and layer.dormant:
-                layer.dormant = False
-                if layer.grad_worker:
-                    layer.block.allocate_second_order()
-                self._force_inverse_update = True
-            elif not captured and not layer.dormant:
+            if captured:
+                if layer.dormant:
+                    layer.dormant = False
+                    if layer.grad_worker:
+                        layer.block.allocate_second_order()
+                    # Second-order state that no factor update has reached yet (a
+                    # layer idle from the start, or re-made by the automatic choice
+                    # while idle) is recomputed now; kept state waits for its turn.
+                    self._force_inverse_update |= layer.block.updates == 0
+                continue
+            if not layer.dormant:
                 layer.dormant = True
-                a_spec, g_spec = layer.block.specs
-                layer.block = self._make_block(
-                    layer.name, layer.handler, (str(a_spec), str(g_spec))
-                )
                 if self._once(f"idle {layer.name}"):
-                    warn(
-                        f"kaisa: layer {layer.name!r} captured nothing on factor-update step "
-                        f"{self._steps} in training mode (it did not run, or ran outside the "
-                        "module call kaisa hooks); its second-order state is released and its "
-                        "gradient left raw until it captures"
+                    log.info(
+                        "kaisa: layer %r captured nothing on factor-update step %d: its "
+                        "factors and second-order state are kept, its gradient left raw "
+                        "until it captures again",
+                        layer.name,
+                        self._steps,
                     )
+            if (
+                began
+                and not layer.captures.called
+                and self._has_gradient(layer)
+                and self._once(f"outside {layer.name}")
+            ):
+                warn(
+                    f"kaisa: layer {layer.name!r} captured nothing on factor-update step "
+                    f"{self._steps} in training mode, yet its parameters have a gradient: "
+                    "its weight was used outside the module call kaisa hooks (e.g. "
+                    "F.linear(x, layer.weight)); its gradient is left raw until it captures "
+                    "(its factors are kept; reported once)"
+                )
+
+    @staticmethod
+    def _has_gradient(layer: _Layer) -> bool:
+        """Whether a parameter of the layer has a non-zero local ``.grad`` on this rank.
+
+        Read from ``.grad`` itself, not through the engine: a staged engine's
+        first read gathers on every rank, and only some ranks may ask. (Under
+        ZeRO or FSDP2 ``.grad`` is not a plain tensor: nothing is reported.)
+        """
+        for p in layer.handler.parameters():
+            grad = p.grad
+            if type(grad) is torch.Tensor and bool(grad.any()):
+                return True
+        return False
 
     def _update_second_order(self, damping: float) -> None:
         rank = self.rank

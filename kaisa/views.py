@@ -82,7 +82,8 @@ class RegisteredLayer:
     until the automatic choice is made); ``grad_worker``: this rank
     preconditions the layer's gradient (KAISA's plan); ``dormant``: it
     captured nothing on the last factor-update step and keeps its raw
-    gradient. ``capture_keys``: what it captures on a factor-update step
+    gradient until it captures again (its factors and second-order state are
+    kept). ``capture_keys``: what it captures on a factor-update step
     (per side ``'gram'`` or ``'moments'``); ``micro_batches`` and
     ``pending_passes``: the current iteration's complete passes and calls
     still waiting for their output gradient; ``captured_rows``: the rows

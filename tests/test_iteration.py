@@ -375,3 +375,130 @@ def test_a_backward_pass_through_a_graph_of_a_finished_iteration_is_ignored() ->
     pre.step()
     assert not torch.equal(before[0][0], factors(pre)[0][0])
     assert_factors(factors(pre), want)
+
+
+# -- 3. idle is not forgotten -------------------------------------------------------
+
+
+class Droppable(nn.Module):
+    """A residual block that a LayerDrop-style switch skips."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.block = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+        self.drop = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        if not self.drop:
+            h = h + torch.tanh(self.block(h))
+        return self.head(h)
+
+
+def _state(pre: kaisa.KFACPreconditioner, name: str) -> dict[str, object]:
+    layer = next(la for la in pre.layers if la.name == name)
+    return {
+        "a": layer.block.a.clone(),
+        "g": layer.block.g.clone(),
+        "updates": layer.block.updates,
+        "second_order": {k: [t.clone() for t in v] for k, v in layer.block.second_order.items()},
+    }
+
+
+def _same_state(x: dict[str, object], y: dict[str, object]) -> bool:
+    if x["updates"] != y["updates"] or not torch.equal(x["a"], y["a"]):  # type: ignore[arg-type]
+        return False
+    if not torch.equal(x["g"], y["g"]):  # type: ignore[arg-type]
+        return False
+    sx, sy = x["second_order"], y["second_order"]
+    assert isinstance(sx, dict) and isinstance(sy, dict)
+    return sx.keys() == sy.keys() and all(
+        all(torch.equal(a, b) for a, b in zip(sx[k], sy[k], strict=True)) for k in sx
+    )
+
+
+def _step(model: nn.Module, pre: kaisa.KFACPreconditioner, seed: int, rows: int = 10) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(rows, 6, generator=gen, dtype=D), torch.randint(0, 3, (rows,), generator=gen)
+    model.zero_grad()
+    F.cross_entropy(model(x), y, reduction="sum").backward()
+    pre.step()
+
+
+def test_a_block_layerdrop_skips_keeps_its_factors_and_second_order_state() -> None:
+    torch.manual_seed(0)
+    model = Droppable().double()
+    pre = make(model, factor_decay=0.5)
+    for seed in range(2):
+        _step(model, pre, seed)
+    kept = _state(pre, "block")
+    model.drop = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to report: it did not run
+        _step(model, pre, 2)
+        _step(model, pre, 3)
+    block = next(la for la in pre.layers if la.name == "block")
+    assert block.dormant
+    assert _same_state(_state(pre, "block"), kept)
+    model.drop = False
+    fresh = make(copy.deepcopy(model), factor_decay=0.5)
+    _step(fresh.model, fresh, 4)
+    _step(model, pre, 4)
+    block = next(la for la in pre.layers if la.name == "block")
+    assert not block.dormant and block.block.updates == 3
+    # Folded into the kept running average (decay 0.5), not started afresh.
+    batch = _state(fresh, "block")
+    for side in ("a", "g"):
+        expected = 0.5 * kept[side] + 0.5 * batch[side]  # type: ignore[operator]
+        torch.testing.assert_close(_state(pre, "block")[side], expected, rtol=1e-12, atol=0)
+
+
+def test_step_called_twice_after_one_backward_keeps_curvature_and_gradients() -> None:
+    torch.manual_seed(0)
+    model = Droppable().double()
+    pre = make(model)
+    _step(model, pre, 0)
+    states = {name: _state(pre, name) for name in ("inp", "block", "head")}
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pre.step()  # again, with no new backward pass
+    assert all(_same_state(_state(pre, n), s) for n, s in states.items())
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
+    _step(model, pre, 1)
+    assert all(layer.block.updates == 2 and not layer.dormant for layer in pre.layers)
+
+
+def test_a_zero_row_batch_keeps_curvature() -> None:
+    torch.manual_seed(0)
+    model = Droppable().double()
+    pre = make(model)
+    _step(model, pre, 0)
+    states = {name: _state(pre, name) for name in ("inp", "block", "head")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _step(model, pre, 1, rows=0)
+    assert all(_same_state(_state(pre, n), s) for n, s in states.items())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    _step(model, pre, 2)
+    assert all(layer.block.updates == 2 and not layer.dormant for layer in pre.layers)
+
+
+def test_a_layer_frozen_for_a_while_keeps_its_curvature() -> None:
+    torch.manual_seed(0)
+    model = Droppable().double()
+    pre = make(model)
+    _step(model, pre, 0)
+    kept = _state(pre, "inp")
+    model.inp.requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seed in (1, 2):
+            _step(model, pre, seed)
+    assert _same_state(_state(pre, "inp"), kept)
+    model.inp.requires_grad_(True)
+    _step(model, pre, 3)
+    inp = next(la for la in pre.layers if la.name == "inp")
+    assert not inp.dormant and inp.block.updates == 2

@@ -378,7 +378,8 @@ def test_a_layer_used_outside_its_module_call_is_reported_and_left_raw() -> None
         assert torch.equal(model.inner.weight.grad, raw_inner)
         assert not torch.equal(model.head.weight.grad, raw_head)
     inner = next(layer for layer in pre.layers if layer.name == "inner")
-    assert inner.dormant and not inner.block.has_second_order
+    # Dormant: raw gradient, factors kept (it never captured: the identity's).
+    assert inner.dormant and inner.block.updates == 0
     treatments = {t.parameter: t for t in pre.coverage()}
     assert treatments["inner.weight"].kind == "raw"
     assert "captured nothing" in treatments["inner.weight"].reason

@@ -94,10 +94,11 @@ def idle_layer() -> None:
         def __init__(self) -> None:
             super().__init__()
             self.used = nn.Linear(6, 3)
-            self.unused = nn.Linear(6, 3)
+            self.functional = nn.Linear(6, 3)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.used(x)
+            # Its weight used outside its module call: it captures nothing.
+            return self.used(x) + F.linear(x, self.functional.weight, self.functional.bias)
 
     model = Branchy()
     pre = kaisa.KFACPreconditioner(model, curvature="exact")
