@@ -24,8 +24,10 @@ import logging
 import statistics
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kaisa.capture import ALL_KEYS
 from kaisa.curvature.budget import (
@@ -34,9 +36,10 @@ from kaisa.curvature.budget import (
     BudgetChoice,
     LayerWork,
     choose_curvature,
+    operator_scale,
     time_scale,
 )
-from kaisa.curvature.costs import SideSpec
+from kaisa.curvature.costs import DEFAULT_COST_MODEL, CostModel, SideSpec
 from kaisa.distributed.comm import Communicator, PayloadKey
 from kaisa.layers import LayerHandler
 from kaisa.options import KFACOptions, StepHyper
@@ -55,6 +58,25 @@ CALIBRATION_STEPS = 10
 FixedSides = tuple[str | None, str | None]
 #: The all-reduced payloads of a factor-update step: per layer, per key, the sum and its rows.
 Reduced = Mapping[str, Mapping[PayloadKey, tuple[torch.Tensor, float]]]
+
+
+class OperatorCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts the operator calls that do work (views and aliases do none) while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.calls = 0
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if not getattr(func, "is_view", False):
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
 
 
 class AutoChoice:
@@ -78,8 +100,10 @@ class AutoChoice:
         compute_method: str,
         telemetry: Telemetry,
         device: torch.device,
+        cost_model: CostModel = DEFAULT_COST_MODEL,
     ) -> None:
         self.fixed = dict(fixed)
+        self.cost_model = cost_model
         self.auto_options = auto_options
         self.time_budget = time_budget
         self.calibrate_budget = calibrate_budget
@@ -100,6 +124,10 @@ class AutoChoice:
         self._pass_seconds: list[float] = []
         self._pass_mark = 0.0
         self._capture_mark = 0.0
+        # The operator calls of one training forward (counted once, while the
+        # first choice is pending) and the counter while it counts.
+        self.forward_calls: int | None = None
+        self._counter: OperatorCounter | None = None
 
     @classmethod
     def for_layers(
@@ -124,6 +152,7 @@ class AutoChoice:
             compute_method=options.compute_method,
             telemetry=telemetry,
             device=device,
+            cost_model=options.cost_model,
         )
 
     # -- what the rest of the preconditioner reads ----------------------------------
@@ -155,6 +184,23 @@ class AutoChoice:
             else:
                 keys.append((which, SideSpec.parse(fixed).capture))
         return tuple(keys)
+
+    # -- the operator count (deterministic) ----------------------------------------------
+    def forward_began(self) -> None:
+        """A training forward of the whole model begins: count its operators, once."""
+        if self.forward_calls is not None or self._counter is not None or not self.pending:
+            return
+        if torch.compiler.is_compiling():
+            return  # a graph being traced: the count would be the tracer's
+        self._counter = OperatorCounter()
+        self._counter.__enter__()  # type: ignore[no-untyped-call]
+
+    def forward_ended(self) -> None:
+        """The forward ended (or raised): stop counting."""
+        counter, self._counter = self._counter, None
+        if counter is not None:
+            counter.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            self.forward_calls = counter.calls
 
     # -- the clock calibration ----------------------------------------------------------
     def pass_started(self) -> None:
@@ -236,7 +282,12 @@ class AutoChoice:
                     g_fixed=self.fixed[name][1],
                 )
             )
-        scale = 1.0
+        training = sum(work.training for work in works)
+        # The backward pass runs about two operators for each of the forward's.
+        calls = 3.0 * (self.forward_calls or 0)
+        if comm.distributed:
+            (calls,) = comm.max_over_ranks([calls])
+        scale = operator_scale(training, calls, cost_model=self.cost_model)
         if self.calibrating:
             capture_work = sum(
                 h.capture_work(key[0], key[1], rows(name, key))
@@ -254,6 +305,7 @@ class AutoChoice:
             if "inv_update_steps" in self.auto_options
             else hyper.inv_update_steps,
             compute_method=self.compute_method,
+            cost_model=self.cost_model,
             scale=scale,
             calibrated=self.calibrating,
         )
@@ -287,7 +339,9 @@ class AutoChoice:
         passes = statistics.median(self._pass_seconds) if self._pass_seconds else 0.0
         passes, capture_seconds = comm.max_over_ranks([passes, capture_seconds])
         training = sum(work.training for work in works)
-        scale = time_scale(passes, capture_seconds, capture_work, training)
+        scale = time_scale(
+            passes, capture_seconds, capture_work, training, cost_model=self.cost_model
+        )
         log.info(
             "kaisa: budget calibration at step %d: forward+backward %.2f ms (median of %d), "
             "captures %.2f ms for %.3g multiply-adds; time scale %.3g",

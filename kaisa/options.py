@@ -32,7 +32,7 @@ from kaisa.choices import (
     Grafting,
 )
 from kaisa.curvature.budget import MIN_FACTOR_STEPS, MIN_INV_STEPS
-from kaisa.curvature.costs import SideSpec
+from kaisa.curvature.costs import DEFAULT_COST_MODEL, CostModel, SideSpec, check_cost_model
 from kaisa.distributed.plan import FractionSpec, resolve_grad_workers
 from kaisa.schedules import Hyperparameter
 from kaisa.validation import Rule, check_dtype, check_flag, check_number, one_of
@@ -220,13 +220,17 @@ class KFACOptions:
             (:mod:`kaisa.curvature.budget`; ``curvature_choice`` holds the
             outcome). The choice depends on the rows each rank sees.
         calibrate_budget: measure the iteration on the clock and choose again
-            (default ``True``): :data:`~kaisa.autochoice.CALIBRATION_STEPS` steps after the
-            first choice, the median forward-and-backward time of those steps
-            and one factor update's captures scale the budget's allowance by
-            how much slower the iteration runs than the registered layers'
-            multiply-adds suggest (:func:`kaisa.curvature.budget.time_scale`;
-            maxima over the ranks, so every rank chooses alike). ``False``:
-            the cost model alone, the same choice on every machine.
+            (default ``False``: the choice is deterministic). The automatic
+            choice always scales its allowance by the iteration's operator
+            calls, counted on the first training forward
+            (:func:`kaisa.curvature.budget.operator_scale`: shapes and
+            structure only, the same on every run). ``True``:
+            :data:`~kaisa.autochoice.CALIBRATION_STEPS` steps after the first
+            choice, the median forward-and-backward time of those steps and
+            one factor update's captures scale the allowance instead
+            (:func:`kaisa.curvature.budget.time_scale`; maxima over the ranks,
+            so every rank chooses alike), which can differ between runs on
+            the same machine when a measurement lands near a rounding step.
         eigenvalue_correction: 'off' (K-FAC's eigenvalue products) or 'adam':
             layers whose both sides are exact (eigen method) divide the
             rotated gradient by ``√S``, ``S`` a running average of its square
@@ -238,6 +242,10 @@ class KFACOptions:
             rescaled to the raw gradient's Frobenius norm before KL clipping,
             so kaisa keeps the step size the optimizer behind it was tuned for
             and gives only the direction.
+        cost_model: the weights of the automatic choice's cost model
+            (:class:`kaisa.curvature.costs.CostModel`; the default was
+            measured on this project's CPUs: ``benchmarks/cost_weights.py``
+            measures them on yours).
         process_group: the data-parallel group over which this model's layers
             are replicated (default: the whole world). KAISA's plan, its
             collectives and the agreement check span this group only, so
@@ -278,10 +286,11 @@ class KFACOptions:
     factor_init: FactorInit = "first_batch"
     curvature: Any = "auto"
     time_budget: float = 0.1
-    calibrate_budget: bool = True
+    calibrate_budget: bool = False
     eigenvalue_correction: EigenCorrection = "off"
     eigenvalue_decay: float = 0.95
     grafting: Grafting = "off"
+    cost_model: CostModel = DEFAULT_COST_MODEL
     # Derived, validated views.
     hyper: Mapping[str, Hyperparameter] = field(init=False, repr=False, compare=False)
     #: Which of :data:`AUTO_OPTIONS` were left to the automatic choice.
@@ -362,6 +371,7 @@ class KFACOptions:
             one_of("eigenvalue_correction", self.eigenvalue_correction, EIGEN_CORRECTIONS),
         )
         set_(self, "grafting", one_of("grafting", self.grafting, GRAFTINGS))
+        check_cost_model(self.cost_model)
         check_number(self.eigenvalue_decay, "eigenvalue_decay", low=0.0, high=1.0, high_open=True)
         for name in (
             "colocate_factors",

@@ -28,6 +28,7 @@ from kaisa.capture import Capturer, LayerCaptures
 from kaisa.checkpoint import CheckpointTarget, LayerSlot, read_state, write_state
 from kaisa.curvature.block import OUTLIER_PATIENCE, OUTLIER_RATIO, KroneckerBlock
 from kaisa.curvature.budget import BudgetChoice
+from kaisa.curvature.costs import DEFAULT_COST_MODEL, CostModel
 from kaisa.curvature.fold import fold_batch
 from kaisa.curvature.grafting import graft
 from kaisa.curvature.linalg import kl_clip_scale
@@ -187,10 +188,11 @@ class KFACPreconditioner:
         factor_init: str = "first_batch",
         curvature: str | tuple[str, str] | Mapping[str, str | tuple[str, str]] = "auto",
         time_budget: float = 0.1,
-        calibrate_budget: bool = True,
+        calibrate_budget: bool = False,
         eigenvalue_correction: str = "off",
         eigenvalue_decay: float = 0.95,
         grafting: str = "off",
+        cost_model: CostModel = DEFAULT_COST_MODEL,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -285,6 +287,7 @@ class KFACPreconditioner:
             for layer in self._layers
         ]
         self._handles.append(model.register_forward_pre_hook(self._root_forward))
+        self._handles.append(model.register_forward_hook(self._root_forward_done, always_call=True))
         self._reported: set[str] = set()  # what was warned about once (see _once)
         self._steps = 0
         self._peak_capture_bytes = 0
@@ -450,7 +453,12 @@ class KFACPreconditioner:
         """A forward pass of the whole model (while training with autograd on) begins."""
         if module.training and torch.is_grad_enabled():
             self._auto.pass_started()
+            self._auto.forward_began()
             self._capturer.root_forward(module)
+
+    def _root_forward_done(self, module: nn.Module, args: object, output: object) -> None:
+        """The whole model's forward ended, or raised (the operator count stops)."""
+        self._auto.forward_ended()
 
     # -- the step ----------------------------------------------------------------------
     @torch.no_grad()

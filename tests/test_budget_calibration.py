@@ -23,7 +23,7 @@ from torch import nn
 import kaisa
 from kaisa.autochoice import CALIBRATION_STEPS
 from kaisa.curvature.budget import MAX_TIME_SCALE, LayerWork, choose_curvature, time_scale
-from kaisa.curvature.costs import DEFAULT_COST_MODEL
+from kaisa.curvature.costs import DEFAULT_COST_MODEL, CostModel
 
 # -- time_scale, by hand --------------------------------------------------------------------
 
@@ -126,6 +126,8 @@ class SlowMLP(nn.Module):
 
 
 ROWS = 32
+#: A cost model whose operator calls cost nothing: the clock alone widens the allowance here.
+NO_OPERATORS = CostModel(operator=1e-12)
 
 
 def mlp_work() -> list[LayerWork]:
@@ -160,7 +162,9 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
 def test_a_slow_iteration_widens_the_budget_after_calibration(clock: Clock) -> None:
     torch.manual_seed(0)
     model = SlowMLP(clock, pass_seconds=1.0)  # far slower than its multiply-adds
-    pre = kaisa.KFACPreconditioner(model, time_budget=0.01)
+    pre = kaisa.KFACPreconditioner(
+        model, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
+    )
     first = choose_curvature(mlp_work(), 0.01)
     calibrated = choose_curvature(mlp_work(), 0.01, scale=MAX_TIME_SCALE, calibrated=True)
     # The scenario has teeth: the wider allowance buys more curvature.
@@ -181,7 +185,9 @@ def test_a_slow_iteration_widens_the_budget_after_calibration(clock: Clock) -> N
 @pytest.mark.filterwarnings("ignore:kaisa. time_budget")
 def test_an_iteration_as_fast_as_modelled_keeps_the_choice(clock: Clock) -> None:
     model = SlowMLP(clock, pass_seconds=0.0)
-    pre = kaisa.KFACPreconditioner(model, time_budget=0.01)
+    pre = kaisa.KFACPreconditioner(
+        model, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
+    )
     choices = train(model, pre, range(CALIBRATION_STEPS + 2))
     first = choose_curvature(mlp_work(), 0.01)
     last = choices[-1]
@@ -196,7 +202,9 @@ def test_an_iteration_as_fast_as_modelled_keeps_the_choice(clock: Clock) -> None
 @pytest.mark.filterwarnings("ignore:kaisa. time_budget")
 def test_calibrate_budget_false_keeps_the_cost_models_choice(clock: Clock) -> None:
     model = SlowMLP(clock, pass_seconds=1.0)
-    pre = kaisa.KFACPreconditioner(model, time_budget=0.01, calibrate_budget=False)
+    pre = kaisa.KFACPreconditioner(
+        model, time_budget=0.01, calibrate_budget=False, cost_model=NO_OPERATORS
+    )
     choices = train(model, pre, range(CALIBRATION_STEPS + 3))
     assert choices == [choose_curvature(mlp_work(), 0.01)] * (CALIBRATION_STEPS + 3)
 
@@ -210,7 +218,9 @@ def test_calibrate_budget_must_be_a_bool() -> None:
 def test_a_calibrated_choice_survives_a_checkpoint(clock: Clock) -> None:
     torch.manual_seed(0)
     model = SlowMLP(clock, pass_seconds=1.0)
-    pre = kaisa.KFACPreconditioner(model, time_budget=0.01)
+    pre = kaisa.KFACPreconditioner(
+        model, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
+    )
     train(model, pre, range(CALIBRATION_STEPS + 2))
     choice = pre.curvature_choice
     assert choice is not None and choice.calibrated
@@ -220,7 +230,9 @@ def test_a_calibrated_choice_survives_a_checkpoint(clock: Clock) -> None:
     state = torch.load(buffer)
     fresh_model = SlowMLP(clock, pass_seconds=0.0)  # would measure a scale of 1
     fresh_model.load_state_dict(model.state_dict())
-    fresh = kaisa.KFACPreconditioner(fresh_model, time_budget=0.01)
+    fresh = kaisa.KFACPreconditioner(
+        fresh_model, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
+    )
     fresh.load_state_dict(state)
     assert train(fresh_model, fresh, range(CALIBRATION_STEPS + 2)) == [choice] * (
         CALIBRATION_STEPS + 2
@@ -231,14 +243,18 @@ def test_a_calibrated_choice_survives_a_checkpoint(clock: Clock) -> None:
 def test_a_choice_saved_before_calibration_is_calibrated_after_loading(clock: Clock) -> None:
     torch.manual_seed(0)
     model = SlowMLP(clock, pass_seconds=1.0)
-    pre = kaisa.KFACPreconditioner(model, time_budget=0.01)
+    pre = kaisa.KFACPreconditioner(
+        model, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
+    )
     train(model, pre, range(2))
     state = pre.state_dict()
     # A checkpoint written before the clock calibration existed lacks its fields.
     saved_choice = dict(state["curvature_choice"])
     assert (saved_choice.pop("time_scale"), saved_choice.pop("calibrated")) == (1.0, False)
     state["curvature_choice"] = saved_choice
-    fresh = kaisa.KFACPreconditioner(model, time_budget=0.01)
+    fresh = kaisa.KFACPreconditioner(
+        model, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
+    )
     fresh.load_state_dict(state)
     choices = train(model, fresh, range(2, 2 + CALIBRATION_STEPS + 1))
     assert choices[-1] == choose_curvature(mlp_work(), 0.01, scale=MAX_TIME_SCALE, calibrated=True)
@@ -258,11 +274,15 @@ def test_a_malformed_calibration_in_a_checkpoint_is_refused(
     clock: Clock, key: str, value: object, error: str
 ) -> None:
     model = SlowMLP(clock, pass_seconds=0.0)
-    pre = kaisa.KFACPreconditioner(model, time_budget=0.01)
+    pre = kaisa.KFACPreconditioner(
+        model, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
+    )
     train(model, pre, range(1))
     state = pre.state_dict()
     state["curvature_choice"] = {**state["curvature_choice"], key: value}
-    fresh = kaisa.KFACPreconditioner(SlowMLP(clock, 0.0), time_budget=0.01)
+    fresh = kaisa.KFACPreconditioner(
+        SlowMLP(clock, 0.0), time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
+    )
     with pytest.raises((TypeError, ValueError), match=error):
         fresh.load_state_dict(state)
     assert fresh.curvature_choice is None and fresh.steps == 0  # nothing changed

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import kaisa
-from kaisa.autochoice import CALIBRATION_STEPS
 from kaisa.curvature.budget import (
     MAX_FACTOR_STEPS,
     MAX_INV_STEPS,
@@ -40,6 +39,10 @@ UNMEETABLE = "kaisa: time_budget=.* cannot be met"
 
 
 # -- choose_curvature, by hand ------------------------------------------------------------------
+
+
+#: Operator calls that cost nothing: these tests check the rule at the scale of 1.
+NO_OPERATORS = CostModel(operator=1e-12)
 
 
 def layers(*sizes: tuple[int, int], rows: float = 32.0) -> list[LayerWork]:
@@ -487,7 +490,7 @@ def specs_of(pre: kaisa.KFACPreconditioner) -> dict[str, tuple[str, str]]:
 
 
 def test_the_defaults() -> None:
-    pre = kaisa.KFACPreconditioner(MLP())
+    pre = kaisa.KFACPreconditioner(MLP(), cost_model=NO_OPERATORS)
     options = pre.options
     assert (options.curvature, options.time_budget) == ("auto", 0.1)
     assert (options.damping, options.damping_mode, options.kl_clip) == (0.03, "relative", 0.003)
@@ -506,7 +509,7 @@ def test_the_defaults() -> None:
 
 def test_an_unmeetable_budget_warns_once_and_takes_the_cheapest() -> None:
     model = MLP()
-    pre = kaisa.KFACPreconditioner(model, time_budget=1e-6)
+    pre = kaisa.KFACPreconditioner(model, cost_model=NO_OPERATORS, time_budget=1e-6)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # Two factor-update steps (0 and MAX_FACTOR_STEPS) and two inverse updates.
@@ -517,21 +520,21 @@ def test_an_unmeetable_budget_warns_once_and_takes_the_cheapest() -> None:
     assert "using the cheapest" in messages[0]
     choice = pre.curvature_choice
     assert choice is not None and not choice.within_budget
-    # (Calibrated on the clock at step CALIBRATION_STEPS: the cheapest still.)
-    assert choice.calibrated
-    assert choice == choose_curvature(mlp_work(), 1e-6, scale=choice.time_scale, calibrated=True)
+    # (No clock calibration by default: the cost model's choice, made once.)
+    assert not choice.calibrated
+    assert choice == choose_curvature(mlp_work(), 1e-6)
     assert specs_of(pre) == {"fc1": ("diagonal", "diagonal"), "fc2": ("diagonal", "diagonal")}
     assert pre.hyperparameter("factor_update_steps") == MAX_FACTOR_STEPS
     assert pre.hyperparameter("inv_update_steps") == MAX_INV_STEPS
     assert pre.hyperparameter("factor_decay") == pytest.approx(1 - MAX_FACTOR_STEPS / 200)
-    # Steps 0 and MAX_FACTOR_STEPS, and the calibration's capture at CALIBRATION_STEPS.
-    assert [layer.block.updates for layer in pre.layers] == [3, 3]
+    # Steps 0 and MAX_FACTOR_STEPS.
+    assert [layer.block.updates for layer in pre.layers] == [2, 2]
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_the_budget_warning_points_at_the_callers_step() -> None:
     model = MLP()
-    pre = kaisa.KFACPreconditioner(model, time_budget=1e-6)
+    pre = kaisa.KFACPreconditioner(model, cost_model=NO_OPERATORS, time_budget=1e-6)
     x, y = batch(0)
     F.cross_entropy(model(x), y).backward()
     with pytest.warns(RuntimeWarning, match=UNMEETABLE) as caught:
@@ -541,7 +544,9 @@ def test_the_budget_warning_points_at_the_callers_step() -> None:
 
 def test_a_per_layer_override_is_kept_and_the_rest_is_chosen() -> None:
     model = MLP()
-    pre = kaisa.KFACPreconditioner(model, curvature={"fc1": ("kvec", "auto")}, time_budget=1e-6)
+    pre = kaisa.KFACPreconditioner(
+        model, cost_model=NO_OPERATORS, curvature={"fc1": ("kvec", "auto")}, time_budget=1e-6
+    )
     assert pre.options.fixed_sides("fc1") == ("kvec", None)
     assert pre.options.fixed_sides("fc2") == (None, None)
     with pytest.warns(RuntimeWarning, match=UNMEETABLE):
@@ -554,7 +559,9 @@ def test_a_per_layer_override_is_kept_and_the_rest_is_chosen() -> None:
 
 def test_an_override_of_every_side_leaves_only_the_intervals() -> None:
     model = MLP()
-    pre = kaisa.KFACPreconditioner(model, curvature=("exact", "kvec"), time_budget=1e6)
+    pre = kaisa.KFACPreconditioner(
+        model, cost_model=NO_OPERATORS, curvature=("exact", "kvec"), time_budget=1e6
+    )
     run(model, pre, range(1))
     assert specs_of(pre) == {"fc1": ("exact", "kvec"), "fc2": ("exact", "kvec")}
     assert pre.curvature_choice is not None
@@ -570,35 +577,32 @@ def test_fixed_intervals_are_kept_and_the_decay_follows_them(
 ) -> None:
     """``factor_decay=None``: ``1 − F/200``, kept within [0.5, 0.95]."""
     model = MLP()
-    pre = kaisa.KFACPreconditioner(model, factor_update_steps=factor_update_steps, time_budget=1e6)
+    pre = kaisa.KFACPreconditioner(
+        model, cost_model=NO_OPERATORS, factor_update_steps=factor_update_steps, time_budget=1e6
+    )
     run(model, pre, range(11))
     choice = pre.curvature_choice
     assert choice is not None
     assert choice.factor_update_steps == factor_update_steps
-    assert choice.calibrated  # at step CALIBRATION_STEPS
-    assert choice == choose_curvature(
-        mlp_work(),
-        1e6,
-        factor_update_steps=factor_update_steps,
-        scale=choice.time_scale,
-        calibrated=True,
-    )
+    assert not choice.calibrated  # no clock by default
+    assert choice == choose_curvature(mlp_work(), 1e6, factor_update_steps=factor_update_steps)
     assert pre.hyperparameter("factor_update_steps") == factor_update_steps
     assert pre.hyperparameter("inv_update_steps") == choice.inv_update_steps
     assert pre.hyperparameter("factor_decay") == pytest.approx(decay)
-    # Factor updates at the multiples of the interval among steps 0..10, and at
-    # the calibration (step 10).
-    expected_updates = len({*range(0, 11, factor_update_steps), CALIBRATION_STEPS})
+    # Factor updates at the multiples of the interval among steps 0..10.
+    expected_updates = len(range(0, 11, factor_update_steps))
     assert [layer.block.updates for layer in pre.layers] == [expected_updates] * 2
 
 
 def test_a_chosen_interval_sets_the_decay() -> None:
     model = MLP()
-    pre = kaisa.KFACPreconditioner(model, time_budget=1e-6)
+    pre = kaisa.KFACPreconditioner(model, cost_model=NO_OPERATORS, time_budget=1e-6)
     with pytest.warns(RuntimeWarning, match=UNMEETABLE):
         run(model, pre, range(1))
     assert pre.hyperparameter("factor_decay") == pytest.approx(1 - MAX_FACTOR_STEPS / 200)
-    fixed = kaisa.KFACPreconditioner(MLP(), time_budget=1e-6, factor_decay=0.7)
+    fixed = kaisa.KFACPreconditioner(
+        MLP(), cost_model=NO_OPERATORS, time_budget=1e-6, factor_decay=0.7
+    )
     with pytest.warns(RuntimeWarning, match=UNMEETABLE):
         run(fixed.model, fixed, range(1))
     assert fixed.hyperparameter("factor_decay") == 0.7
@@ -607,7 +611,7 @@ def test_a_chosen_interval_sets_the_decay() -> None:
 def test_nothing_left_to_choose_but_the_decay_is_not_a_budget_choice() -> None:
     options: dict[str, Any] = dict(curvature="exact", factor_update_steps=1, inv_update_steps=1)
     model = MLP()
-    pending = kaisa.KFACPreconditioner(model, **options)
+    pending = kaisa.KFACPreconditioner(model, cost_model=NO_OPERATORS, **options)
     decided = kaisa.KFACPreconditioner(copy.deepcopy(model), factor_decay=0.95, **options)
     x, y = batch(0)
     F.cross_entropy(pending.model(x), y).backward()

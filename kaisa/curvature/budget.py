@@ -82,6 +82,7 @@ __all__ = [
     "choose_curvature",
     "kfac_work",
     "ladder",
+    "operator_scale",
     "time_scale",
     "training_work",
 ]
@@ -415,6 +416,36 @@ def choose_curvature(
     )
 
 
+def _rounded_scale(ratio: float) -> float:
+    """``ratio`` as a scale: at least 1, rounded down to a power of √2, at most the maximum."""
+    if not math.isfinite(ratio) or ratio <= 1.0:
+        return 1.0
+    steps = math.floor(2.0 * math.log2(ratio) + 1e-9)  # powers of √2
+    return float(min(MAX_TIME_SCALE, 2.0 ** (steps / 2.0)))
+
+
+def operator_scale(
+    training: float, operator_calls: float, *, cost_model: CostModel = DEFAULT_COST_MODEL
+) -> float:
+    """How much more work the iteration is than its modelled training work, from a count.
+
+    ``operator_calls``: the operator calls of one forward and backward pass
+    (the preconditioner counts a training forward's and takes the backward
+    pass as twice it); each costs ``cost_model.operator`` training
+    multiply-adds beyond the registered layers' ``training`` work. The scale
+    is ``(training + calls · operator) / training``, rounded as
+    :func:`time_scale`'s. Deterministic: shapes and the model's structure
+    alone decide it (the same on every machine with the same cost model).
+    """
+    check_cost_model(cost_model)
+    values = (training, operator_calls)
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
+        return 1.0
+    if training <= 0:
+        return 1.0
+    return _rounded_scale((training + operator_calls * cost_model.operator) / training)
+
+
 def time_scale(
     training_seconds: float,
     capture_seconds: float,
@@ -442,8 +473,4 @@ def time_scale(
     if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values):
         return 1.0
     measured = training_seconds * capture_work * cost_model.capture / capture_seconds
-    ratio = measured / training
-    if ratio <= 1.0:
-        return 1.0
-    steps = math.floor(2.0 * math.log2(ratio) + 1e-9)  # powers of √2
-    return float(min(MAX_TIME_SCALE, 2.0 ** (steps / 2.0)))
+    return _rounded_scale(measured / training)

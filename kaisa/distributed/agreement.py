@@ -34,6 +34,7 @@ rely on the process group's timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -136,6 +137,8 @@ def agreement_digest(
         value = getattr(options, name)
         digest[name] = float(value) if name in ("allreduce_bucket_cap_mb", "time_budget") else value
     digest["curvature"] = [[pattern, [a, g]] for pattern, (a, g) in options.curvature_rules]
+    for field, weight in dataclasses.asdict(options.cost_model).items():
+        digest[f"cost_model.{field}"] = float(weight)
     digest["factor_dtype"] = _dtype(factor_dtype or options.factor_dtype)
     digest["inv_dtype"] = _dtype(inv_dtype or options.inv_dtype)
     digest["factor_product_dtype"] = _dtype(product_dtype or options.factor_product_dtype)

@@ -31,6 +31,7 @@ def test_the_default_weights() -> None:
         "cholesky_inverse": 4.0,
         "capture": 2.0,
         "apply": 2.0,
+        "operator": 3.5e6,
     }
     assert CostModel() == DEFAULT_COST_MODEL
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -38,12 +39,13 @@ def test_the_default_weights() -> None:
 
 
 def test_weights_are_kept_as_floats() -> None:
-    model = CostModel(eigh=20, cholesky_inverse=3, capture=1, apply=0.5)
+    model = CostModel(eigh=20, cholesky_inverse=3, capture=1, apply=0.5, operator=1000)
     assert dataclasses.asdict(model) == {
         "eigh": 20.0,
         "cholesky_inverse": 3.0,
         "capture": 1.0,
         "apply": 0.5,
+        "operator": 1000.0,
     }
     assert all(type(value) is float for value in dataclasses.astuple(model))
     assert CostModel(eigh=8) == DEFAULT_COST_MODEL

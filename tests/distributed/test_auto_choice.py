@@ -17,6 +17,7 @@ from torch import nn
 
 import kaisa
 from kaisa.curvature.budget import BudgetChoice, LayerWork, choose_curvature
+from kaisa.curvature.costs import CostModel
 from kaisa.distributed.plan import LayerShape, make_plan
 
 WORLD_SIZE = 2
@@ -54,7 +55,10 @@ def _averaged_backward(model: nn.Module, rank: int, world_size: int, gen: torch.
 def _train(rank: int, world_size: int, fraction: str) -> dict[str, object]:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    preconditioner = kaisa.KFACPreconditioner(model, grad_worker_fraction=fraction)  # defaults
+    # The defaults, with operator calls that cost nothing: the rule at the scale of 1.
+    preconditioner = kaisa.KFACPreconditioner(
+        model, grad_worker_fraction=fraction, cost_model=CostModel(operator=1e-12)
+    )
     before = (preconditioner.curvature_choice, preconditioner.plan)
     gen = torch.Generator().manual_seed(100 + rank)
     weights = []
@@ -142,7 +146,9 @@ def _calibrate(rank: int, world_size: int) -> dict[str, object]:
 
     time.perf_counter = Clock()  # this rank's process only
     model = make_model()
-    preconditioner = kaisa.KFACPreconditioner(model, time_budget=0.01)
+    preconditioner = kaisa.KFACPreconditioner(
+        model, time_budget=0.01, calibrate_budget=True, cost_model=CostModel(operator=1e-12)
+    )
     # Rank 1's passes take a second each on its clock, rank 0's nothing (a
     # pre-hook after kaisa's, which starts the clock of a pass).
     model.register_forward_pre_hook(lambda *_: setattr(Clock, "now", Clock.now + rank))
