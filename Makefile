@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt requirements-dev.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch numpy
 	$(PY) -m pip install --quiet -c constraints.txt -r requirements-dev.txt
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[demo,bench,deepspeed,lightning,accelerate]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[demo,bench,deepspeed,lightning,accelerate,transformers]'
 	touch $(STAMP)
 
 venv: $(STAMP)
