@@ -1,13 +1,21 @@
 """Teach kaisa a layer of your own: a handler, registered once.
 
 ``Dense`` below is not an ``nn.Linear``: its parameters are called ``kernel``
-and ``offset``, and kaisa would leave it raw (``preconditioner.coverage()``
-says so). A handler tells kaisa the factor sides, how one call's input and
-output gradient become factor sums, and where the weight and bias live;
-``kaisa.register_handler`` makes every ``Dense`` (and its subclasses) a
-K-FAC layer. The script registers it, trains a small ``Dense`` network on
-random data and prints the coverage. (``tests/layers/test_extension.py``
-checks that kaisa then takes exactly the steps it takes with ``nn.Linear``.)
+and ``offset``, and its kernel is stored ``(in, out)`` (``y = x kernel +
+offset``, as in HuggingFace's ``Conv1D``, JAX and Keras), the transpose of
+``nn.Linear``'s ``(out, in)``. kaisa would leave it raw
+(``preconditioner.coverage()`` says so). A handler tells kaisa the factor
+sides, how one call's input and output gradient become factor sums, where
+the weight and bias live and how the weight holds the ``(out, in)``
+gradient matrix (``weight_layout = 'in_out'``: transposed; reshaping an
+``(in, out)`` kernel to ``(out, in)`` would scramble it). ``kaisa.register_handler``
+checks the handler against autograd once, on the ``example`` module, and
+refuses it with a message if its gradient matrix is not the layer's
+(try ``weight_layout = 'out_in'``); then every ``Dense`` (and every subclass
+that keeps its ``forward``) is a K-FAC layer. The script registers it,
+trains a small ``Dense`` network on random data and prints the coverage.
+(``tests/layers/test_extension.py`` checks that kaisa then takes exactly the
+steps it takes with ``nn.Linear``.)
 
     python examples/custom_layer.py
 """
@@ -23,25 +31,27 @@ from kaisa.layers.base import gram_with_ones, last_dim_gram, last_dim_moments, r
 
 
 class Dense(nn.Module):
-    """``y = x kernelᵀ + offset``: a Linear layer with its own parameter names."""
+    """``y = x kernel + offset``, ``kernel`` stored ``(in, out)``: a Linear layer, transposed."""
 
     def __init__(self, d_in: int, d_out: int) -> None:
         super().__init__()
-        self.kernel = nn.Parameter(torch.randn(d_out, d_in) / d_in**0.5)
+        self.kernel = nn.Parameter(torch.randn(d_in, d_out) / d_in**0.5)
         self.offset = nn.Parameter(torch.zeros(d_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.kernel, self.offset)
+        return x @ self.kernel + self.offset
 
 
 class DenseHandler(kaisa.LayerHandler):
     """``A`` from the inputs with a ones column (the offset), ``G`` from the output gradients."""
 
     kind = "kronecker (dense)"
+    # The gradient matrix is (out, in + 1): the kernel's gradient transposed, then the offset's.
+    weight_layout = "in_out"
 
     def __init__(self, module: Dense) -> None:
         super().__init__(module)
-        self.g_size, d_in = module.kernel.shape
+        d_in, self.g_size = module.kernel.shape
         self.a_size = d_in + 1
 
     # Where the gradient lives: the rows of the weight, and the bias.
@@ -96,7 +106,8 @@ def train(steps: int = 30) -> tuple[float, str]:
 
 
 def main() -> None:
-    kaisa.register_handler(Dense, dense_handler)
+    # Checked here, on the example, against the gradient autograd computes.
+    kaisa.register_handler(Dense, dense_handler, example=Dense(3, 2))
     loss, coverage = train()
     print(coverage)
     print(f"final training loss {loss:.4f}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -28,6 +28,10 @@ GradSelect = Callable[[torch.Tensor], torch.Tensor] | None
 #: produced ``output`` (whose gradient, through ``select``, is the layer's ``δ``).
 CaptureFn = Callable[[torch.Tensor, torch.Tensor, GradSelect], None]
 
+#: How a weight parameter holds the ``(g_size, a_size)`` gradient matrix (see
+#: :attr:`LayerHandler.weight_layout`).
+WeightLayout = Literal["out_in", "in_out"]
+
 
 class Detachable(Protocol):
     """What :meth:`LayerHandler.attach` returns: ``remove()`` stops the captures."""
@@ -37,6 +41,15 @@ class Detachable(Protocol):
 
 class LayerHandler(ABC):
     """Capture and gradient access for one registered module.
+
+    The contract: for every call, the gradient autograd computes for the
+    weight, as the ``(g_size, a_size)`` matrix :meth:`grad_matrix` reads, is
+    ``Σ_rows δ āᵀ`` of the rows whose products :meth:`a_sum` and
+    :meth:`g_sum` add up (up to one constant factor per layer kind, the
+    scaling of spec §3). :attr:`weight_layout` says how the weight holds that
+    matrix; :func:`kaisa.register_handler` checks a new handler against
+    autograd once, on a probe (:mod:`kaisa.layers.probe`), and refuses one
+    that breaks the contract.
 
     Attributes:
         module: the module whose gradient is preconditioned.
@@ -56,6 +69,16 @@ class LayerHandler(ABC):
     default_sides: tuple[str | None, str | None] = (None, None)
     #: What kind of block this is, for :meth:`kaisa.KFACPreconditioner.coverage`.
     kind: str = "kronecker"
+    #: How the weight parameter holds the gradient matrix's weight columns:
+    #: ``'out_in'``, one row per output (``nn.Linear``'s ``(out, in)``, a
+    #: convolution's ``(out, in, kh, kw)``): the matrix is the weight's rows
+    #: (those of :meth:`weight_slot`) reshaped to ``(g_size, -1)``;
+    #: ``'in_out'``, a 2-D weight stored ``(in, out)`` (``y = x W``:
+    #: HuggingFace's ``Conv1D``, ``nn.Embedding``'s ``(num_embeddings,
+    #: embedding_dim)``): the matrix is the weight *transposed*. Reshaping an
+    #: ``(in, out)`` weight to ``(out, in)`` scrambles it instead of
+    #: transposing it; the registration probe refuses such a handler.
+    weight_layout: WeightLayout = "out_in"
     #: How gradients are read and written (:mod:`kaisa.engines`): ``.grad``
     #: in place unless the preconditioner installs the access its model needs
     #: (DeepSpeed ZeRO, FSDP2). A handler that overrides :meth:`grad_matrix` or
@@ -178,10 +201,15 @@ class LayerHandler(ABC):
         full = self.grads.read(weight)
         if full is None:
             return None
-        grad = full[rows].reshape(self.g_size, -1)
+        if self.weight_layout == "in_out":
+            _whole_weight(self, weight, rows)
+            grad = full.t()
+        else:
+            grad = full[rows].reshape(self.g_size, -1)
         slot = self.bias_slot()
         if slot is None:
-            return grad
+            # (A transposed weight is handed on as a contiguous copy.)
+            return grad.contiguous() if self.weight_layout == "in_out" else grad
         bias, b_rows = slot
         bias_full = self.grads.read(bias)
         bias_grad = bias_full[b_rows] if bias_full is not None else grad.new_zeros(self.g_size)
@@ -195,15 +223,42 @@ class LayerHandler(ABC):
         """
         weight, rows = self.weight_slot()
         w_cols = matrix.shape[1] - (1 if self.has_bias else 0)
-        self.grads.write(weight, rows, matrix[:, :w_cols])
+        if self.weight_layout == "in_out":
+            _whole_weight(self, weight, rows)
+            self.grads.write(weight, rows, matrix[:, :w_cols].t())
+        else:
+            self.grads.write(weight, rows, matrix[:, :w_cols])
         slot = self.bias_slot()
         if slot is None or not slot[0].requires_grad:  # frozen after registration: not written
             return
         bias, b_rows = slot
         self.grads.write(bias, b_rows, matrix[:, w_cols])
 
+    def probe_input(self, generator: torch.Generator) -> tuple[torch.Tensor, ...] | None:
+        """Arguments for one forward call of :attr:`module` that make exactly one row.
+
+        The registration check (:mod:`kaisa.layers.probe`) runs the module on
+        them, in float64 where it can. The default suits a Linear-like layer:
+        one row of ``a_size`` input features (less the bias's ones column),
+        ``(1, d_in)``. A handler whose module takes other inputs (images,
+        indices, several arguments) overrides this; ``None`` means it cannot
+        make one.
+        """
+        weight = self.weight
+        d_in = self.a_size - (1 if self.has_bias else 0)
+        return (torch.randn(1, d_in, generator=generator, dtype=torch.float64).to(weight),)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.module!r}, a_size={self.a_size}, g_size={self.g_size})"
+
+
+def _whole_weight(handler: LayerHandler, weight: torch.Tensor, rows: slice) -> None:
+    """An ``'in_out'`` weight is one 2-D matrix, taken whole."""
+    if weight.dim() != 2 or rows != slice(None):
+        raise ValueError(
+            f"{type(handler).__name__}: weight_layout 'in_out' takes a whole 2-D weight "
+            f"(weight_slot() gave a {weight.dim()}-D weight with rows {rows})"
+        )
 
 
 def accumulator_dtype(rows: torch.Tensor) -> torch.dtype:

@@ -161,6 +161,32 @@ class _ConvHandler(LayerHandler):
         their converted tensors to one another.
         """
 
+    def probe_input(self, generator: torch.Generator) -> tuple[torch.Tensor, ...] | None:
+        """One sample whose output has one position (one row), or ``None`` if padding forbids it.
+
+        The smallest input size with a ``1 × 1`` output (the registration
+        check of :mod:`kaisa.layers.probe` needs a single row); with more
+        padding than the kernel spans (or reflecting padding of a kernel
+        larger than 1) every input has several output positions: ``None``.
+        """
+        g = self.geometry
+        sizes = []
+        for dim in (0, 1):
+            reach = g.dilation[dim] * (g.kernel[dim] - 1) + g.stride[dim] + 1
+            # F.pad's non-zero modes need more input than padding.
+            least = 1 if g.pad_mode == "constant" else max(g.padding[2 - 2 * dim :][:2]) + 1
+            fits = [
+                n
+                for n in range(least, reach + 1)
+                if g.output_size(*((n, 1) if dim == 0 else (1, n)))[dim] == 1
+            ]
+            if not fits:
+                return None
+            sizes.append(fits[0])
+        shape = (1, g.in_channels, *sizes)
+        x = torch.randn(shape, generator=generator, dtype=torch.float64).to(self.weight)
+        return (x.squeeze(2) if isinstance(self.module, nn.Conv1d) else x,)
+
     def patch_means(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Per-sample means of the patch rows (``(n, C_in·kh·kw)``) and ``T``.
 

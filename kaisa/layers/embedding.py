@@ -5,9 +5,10 @@ A lookup ``y = W[i]`` is the Linear ``y = Wᵀ e_i`` on the one-hot row ``e_i``
 index: ``A_batch = Σ e_i e_iᵀ / R`` is diagonal, holding how often each row
 was used, and ``G_batch = δᵀδ / R``. ``A`` is therefore represented as
 ``'diagonal'`` unless the user fixes another representation, and its
-captures cost ``O(R)`` (a count per row). The gradient matrix is
-``W.grad`` transposed (``(embedding_dim, num_embeddings)``), so column ``j``
-is row ``j`` of the table.
+captures cost ``O(R)`` (a count per row). The table is stored ``(in, out)``
+(``weight_layout = 'in_out'``): the gradient matrix is ``W.grad`` transposed
+(``(embedding_dim, num_embeddings)``), so column ``j`` is row ``j`` of the
+table.
 
 ``padding_idx``: torch gives that row a zero gradient, and a diagonal ``A``
 keeps it zero, so the padding row is never moved. ``sparse=True`` embeddings
@@ -28,6 +29,7 @@ class EmbeddingHandler(LayerHandler):
     module: nn.Embedding
     default_sides = ("diagonal", None)
     kind = "kronecker (embedding, diagonal A)"
+    weight_layout = "in_out"
 
     def __init__(self, module: nn.Embedding) -> None:
         if module.sparse:
@@ -83,14 +85,11 @@ class EmbeddingHandler(LayerHandler):
         # A gather forward and a scatter-add backward of embedding_dim per row.
         return 2.0 * rows * self.g_size
 
-    def grad_matrix(self) -> torch.Tensor | None:
-        grad = self.grads.read(self.weight) if self.weight.requires_grad else None
-        if grad is None:
-            return None
-        return grad.t().contiguous()
-
-    def set_grad_matrix(self, matrix: torch.Tensor) -> None:
-        self.grads.write(self.weight, slice(None), matrix.t())
+    def probe_input(self, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+        """One index (one one-hot row), never ``padding_idx``'s (whose gradient is zero)."""
+        rows = [i for i in range(self.a_size) if i != self.module.padding_idx]
+        pick = rows[int(torch.randint(len(rows), (1,), generator=generator))]
+        return (torch.tensor([pick], device=self.weight.device),)
 
 
 def embedding_handler(module: nn.Module, **_: object) -> LayerHandler | None:

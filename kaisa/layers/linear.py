@@ -1,4 +1,12 @@
-"""``nn.Linear``: factors over every leading dimension (spec §3, Linear)."""
+"""``nn.Linear`` and HuggingFace's ``Conv1D``: factors over every leading dimension (spec §3).
+
+``transformers.pytorch_utils.Conv1D`` (GPT-2, GPT, CTRL, …) is a Linear layer
+whose weight is stored ``(in, out)``: ``y = x W + b``. Its captures and
+factors are ``nn.Linear``'s; its gradient matrix is ``W.grad`` *transposed*
+(``weight_layout = 'in_out'``, :class:`TransposedLinearHandler`). The
+registry knows the class by name and never imports transformers
+(:mod:`kaisa.layers.registry`).
+"""
 
 from __future__ import annotations
 
@@ -51,3 +59,39 @@ class LinearHandler(LayerHandler):
         self, grad_output: torch.Tensor, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, int]:
         return last_dim_moments(grad_output, out)
+
+
+class TransposedLinearHandler(LinearHandler):
+    """A Linear layer whose ``weight`` is stored ``(in, out)``: ``y = x W + b``.
+
+    HuggingFace's ``Conv1D`` (``weight`` ``(nx, nf)``, ``bias`` ``(nf,)``):
+    the rows and factors of :class:`LinearHandler` for ``d_in = nx``,
+    ``d_out = nf``; the gradient matrix ``[W.gradᵀ | b.grad]``
+    (``weight_layout = 'in_out'``). Kaisa takes exactly the steps it takes
+    on the ``nn.Linear`` holding ``Wᵀ`` (``tests/layers/test_hf_conv1d.py``).
+    """
+
+    module: nn.Module  # type: ignore[assignment]
+    kind = "kronecker (linear, (in, out) weight)"
+    weight_layout = "in_out"
+
+    def __init__(self, module: nn.Module) -> None:
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise TypeError(
+                f"{type(self).__name__} needs a module with a 2-D (in, out) weight, got {module!r}"
+            )
+        LayerHandler.__init__(self, module)
+        bias = getattr(module, "bias", None)
+        if bias is not None and tuple(bias.shape) != (weight.shape[1],):
+            raise ValueError(
+                f"{type(self).__name__}: a bias of shape {tuple(bias.shape)} does not match an "
+                f"(in, out) weight of shape {tuple(weight.shape)}"
+            )
+        self.a_size = weight.shape[0] + (1 if bias is not None else 0)
+        self.g_size = weight.shape[1]
+
+
+def transposed_linear_handler(module: nn.Module, **_: object) -> TransposedLinearHandler:
+    """Handler factory for HuggingFace's ``Conv1D`` (and any ``(in, out)`` Linear layer)."""
+    return TransposedLinearHandler(module)

@@ -1,4 +1,23 @@
-"""Which module types kaisa can precondition, and how to find them in a model."""
+"""Which module types kaisa can precondition, and how to find them in a model.
+
+**Registration.** :func:`register_handler` maps a module type to a handler
+factory; a module uses the factory of the nearest registered class in its
+MRO. Classes of libraries kaisa does not import (HuggingFace's ``Conv1D``)
+are known by module and class name (:data:`_BY_NAME`): matching a model's
+classes by name imports nothing, so ``import kaisa`` never imports
+transformers. A factory registered by the user is checked once against
+autograd on a probe (:mod:`kaisa.layers.probe`): at registration when an
+``example`` module is given, else on the first module of the type kaisa
+meets; a handler that breaks the contract is refused with
+:class:`~kaisa.layers.probe.HandlerContractError`.
+
+**Subclasses that compute something else.** A subclass of a registered class
+that overrides ``forward`` (or a convolution's ``_conv_forward``) may no
+longer compute its parent's function of its input (a learned positional
+embedding that computes the positions itself, a convolution that
+standardises its weight first): it is left raw, with a warning naming it and
+the reason, unless a handler is registered for the subclass itself.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +32,8 @@ from kaisa.layers.attention import attention_handlers
 from kaisa.layers.base import LayerHandler
 from kaisa.layers.conv import conv1d_handler, conv2d_handler, unsupported_reason
 from kaisa.layers.embedding import embedding_handler
-from kaisa.layers.linear import LinearHandler
+from kaisa.layers.linear import LinearHandler, transposed_linear_handler
+from kaisa.layers.probe import HandlerContractError, check_factory
 from kaisa.warn import warn
 
 #: ``factory(module, **options)`` returns a handler, several (one module holding
@@ -24,24 +44,117 @@ HandlerFactory = Callable[..., LayerHandler | Sequence[LayerHandler] | None]
 
 _REGISTRY: dict[type[nn.Module], HandlerFactory] = {}
 
+#: Factories of classes that live in libraries kaisa does not import, by
+#: ``(class.__module__, class.__qualname__)``; matched on the classes of a
+#: model's modules, so nothing is imported. A class registered by type
+#: (:data:`_REGISTRY`) comes first.
+_BY_NAME: dict[tuple[str, str], HandlerFactory] = {
+    # HuggingFace transformers' Conv1D (GPT-2, GPT, CTRL, ...): a Linear with an
+    # (in, out) weight; its home before transformers 4.19 was modeling_utils.
+    ("transformers.pytorch_utils", "Conv1D"): transposed_linear_handler,
+    ("transformers.modeling_utils", "Conv1D"): transposed_linear_handler,
+}
 
-def register_handler(module_type: type[nn.Module], factory: HandlerFactory) -> None:
+#: Registered types whose factory has not been checked on a probe yet: the
+#: first module of the type that :func:`handler_for` meets is.
+_UNCHECKED: set[type[nn.Module]] = set()
+
+#: The methods whose override makes a subclass compute something its
+#: registered ancestor's handler may not describe.
+_FORWARD_METHODS = ("forward", "_conv_forward")
+
+
+def register_handler(
+    module_type: type[nn.Module],
+    factory: HandlerFactory,
+    *,
+    example: nn.Module | None = None,
+    check: bool = True,
+) -> None:
     """Teach kaisa a module type: ``factory(module)`` returns a handler or ``None`` to skip it.
 
-    Subclasses of a registered type use the nearest registered ancestor's factory.
+    Subclasses of a registered type use the nearest registered ancestor's
+    factory, unless they override ``forward`` (then they are left raw with a
+    warning until their own class is registered).
+
+    The handler is checked once against autograd (:mod:`kaisa.layers.probe`):
+    on ``example`` (an instance of ``module_type``) right here, or, without
+    one, on the first module of the type kaisa meets. A handler whose
+    gradient matrix is not the gradient autograd computes (an ``(in, out)``
+    weight reshaped instead of transposed: see
+    :attr:`~kaisa.layers.base.LayerHandler.weight_layout`), or that
+    ``set_grad_matrix`` does not write back as ``grad_matrix`` reads it, is
+    refused with :class:`~kaisa.layers.probe.HandlerContractError` naming
+    what is off (here the type is then not registered). ``check=False``
+    registers without the check.
     """
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"module_type must be an nn.Module subclass, got {module_type!r}")
+    if not callable(factory):
+        raise TypeError(f"factory must be callable, got {factory!r}")
+    if example is not None and not isinstance(example, module_type):
+        raise TypeError(
+            f"example must be an instance of {module_type.__name__}, got {type(example).__name__}"
+        )
+    if check and example is not None and not check_factory(factory, example):
+        raise HandlerContractError(
+            f"kaisa: the factory registered for {module_type.__name__} made no handler for "
+            f"the example {example!r} (or its parameters are on the meta device): nothing "
+            "to check; give an example it handles"
+        )
     _REGISTRY[module_type] = factory
+    if check and example is None:
+        _UNCHECKED.add(module_type)
+    else:
+        _UNCHECKED.discard(module_type)
+
+
+def _registered(module: nn.Module) -> tuple[type[nn.Module] | None, HandlerFactory | None]:
+    """The nearest registered class in ``module``'s MRO and its factory."""
+    for cls in type(module).__mro__:
+        factory = _REGISTRY.get(cls) or _BY_NAME.get((cls.__module__, cls.__qualname__))
+        if factory is not None:
+            return cls, factory
+    return None, None
+
+
+def _class_label(cls: type) -> str:
+    """``nn.Embedding`` for torch's own modules, the class name otherwise."""
+    return f"nn.{cls.__name__}" if cls.__module__.startswith("torch.nn") else cls.__name__
+
+
+def _own_forward_reason(module: nn.Module, registered: type[nn.Module]) -> str | None:
+    """Why a subclass of ``registered`` is not taken for it (``None``: it is)."""
+    own = type(module)
+    if own is registered:
+        return None
+    for method in _FORWARD_METHODS:
+        theirs = getattr(registered, method, None)
+        if theirs is not None and getattr(own, method, None) is not theirs:
+            parent = _class_label(registered)
+            return (
+                f"{own.__name__} overrides {parent}.{method}(): kaisa cannot tell that it still "
+                f"computes {parent}'s function of its input, so it is not preconditioned as "
+                f"one (register a handler for {own.__name__} itself to precondition it)"
+            )
+    return None
 
 
 def handler_for(
     module: nn.Module, **options: object
 ) -> LayerHandler | Sequence[LayerHandler] | None:
-    """The handler(s) for ``module``, or ``None`` if kaisa does not precondition it."""
-    for cls in type(module).__mro__:
-        factory = _REGISTRY.get(cls)
-        if factory is not None:
-            return factory(module, **options)
-    return None
+    """The handler(s) for ``module``, or ``None`` if kaisa does not precondition it.
+
+    A user's factory not yet checked is checked here first, on a probe copy
+    of ``module`` (:class:`~kaisa.layers.probe.HandlerContractError` if it is
+    refused).
+    """
+    registered, factory = _registered(module)
+    if registered is None or factory is None or _own_forward_reason(module, registered):
+        return None
+    if registered in _UNCHECKED and check_factory(factory, module, dict(options)):
+        _UNCHECKED.discard(registered)
+    return factory(module, **options)
 
 
 def _linear(module: nn.Module, **_: object) -> LayerHandler:
@@ -54,11 +167,12 @@ def _attention(module: nn.Module, **_: object) -> list[LayerHandler]:
     return list(attention_handlers(module))
 
 
-register_handler(nn.Linear, _linear)
-register_handler(nn.Conv2d, conv2d_handler)
-register_handler(nn.Conv1d, conv1d_handler)
-register_handler(nn.MultiheadAttention, _attention)
-register_handler(nn.Embedding, embedding_handler)
+# kaisa's own handlers are tested (tests/layers/test_probe.py), not probed at import.
+register_handler(nn.Linear, _linear, check=False)
+register_handler(nn.Conv2d, conv2d_handler, check=False)
+register_handler(nn.Conv1d, conv1d_handler, check=False)
+register_handler(nn.MultiheadAttention, _attention, check=False)
+register_handler(nn.Embedding, embedding_handler, check=False)
 
 
 @dataclass(frozen=True)
@@ -118,17 +232,76 @@ _NORMS = (
     nn.RMSNorm,
 )
 
+#: Class names of normalisation layers kaisa does not know by type
+#: (``LlamaRMSNorm``, ``T5LayerNorm``, timm's ``LayerNorm2d``, ``FrozenBatchNorm2d``).
+_NORM_NAME = re.compile(r"Norm(alization)?(\d+d)?$")
 
-def _why_unhandled(module: nn.Module) -> tuple[str, bool]:
-    """Why a module with parameters is left raw, and whether that deserves a warning."""
-    if isinstance(module, _NORMS):
-        return "normalisation layer: affine parameters are left raw (a documented choice)", False
+_NORM_REASON = "normalisation layer: affine parameters are left raw (a documented choice)"
+
+
+@dataclass(frozen=True)
+class _Raw:
+    """Why a module with parameters is left raw.
+
+    ``reason`` goes to the coverage table. With ``group`` set, the module is
+    also warned about: one warning for all the modules of one ``group``,
+    each named with its ``detail``.
+    """
+
+    reason: str
+    group: str = ""
+    detail: str = ""
+
+
+def _why_unhandled(module: nn.Module) -> _Raw:
+    """Why a module with parameters is left raw, and whether (and with whom) to warn."""
+    if isinstance(module, _NORMS) or _NORM_NAME.search(type(module).__name__):
+        return _Raw(_NORM_REASON)
+    registered, _ = _registered(module)
+    if registered is not None:
+        override = _own_forward_reason(module, registered)
+        if override is not None:
+            return _Raw(override, group=override)
     reason = unsupported_reason(module)
     if reason is not None:
-        return reason, True
+        groups = getattr(module, "groups", "?")
+        return _Raw(
+            reason,
+            group="grouped convolutions (groups > 1) are not preconditioned: K-FAC's Kronecker "
+            "factors here need groups=1",
+            detail=f"groups={groups}",
+        )
     if isinstance(module, nn.Embedding) and module.sparse:
-        return "sparse embedding (sparse=True): sparse gradients are not preconditioned", True
-    return f"no handler for {type(module).__name__}", False
+        reason = "sparse embedding (sparse=True): sparse gradients are not preconditioned"
+        return _Raw(reason, group=reason)
+    return _Raw(f"no handler for {type(module).__name__}")
+
+
+#: Modules named one by one in a warning about several.
+_NAMED_IN_WARNING = 8
+
+
+def _skip_warnings(skipped: Mapping[str, Sequence[tuple[str, nn.Module, _Raw]]]) -> list[str]:
+    """One warning per group of modules left raw for one reason."""
+    messages = []
+    for group, members in skipped.items():
+        if len(members) == 1:
+            label, module, why = members[0]
+            messages.append(
+                f"kaisa: skipping {label!r} ({module}): {why.reason}; its gradients are left as is"
+            )
+            continue
+        named = [
+            f"{label!r} ({why.detail})" if why.detail else repr(label)
+            for label, _, why in members[:_NAMED_IN_WARNING]
+        ]
+        if len(members) > _NAMED_IN_WARNING:
+            named.append(f"and {len(members) - _NAMED_IN_WARNING} more")
+        messages.append(
+            f"kaisa: skipping {len(members)} modules: {', '.join(named)}: {group}; their "
+            "gradients are left as is"
+        )
+    return messages
 
 
 def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object) -> Survey:
@@ -142,8 +315,11 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
     two parents) is registered once and gathers curvature from every call. A
     parameter held by two different modules (a head tied to an embedding) is
     left raw with a warning: its gradient sums both uses, and one use's
-    curvature would precondition it wrongly. ``options`` go to the handler
-    factories (``conv_estimator='expand'|'reduce'`` for convolutions).
+    curvature would precondition it wrongly. Modules left raw for a reason
+    worth a warning (grouped convolutions, sparse embeddings, a subclass
+    with its own ``forward``) get one warning per reason, listing them.
+    ``options`` go to the handler factories
+    (``conv_estimator='expand'|'reduce'`` for convolutions).
     """
     patterns = [re.compile(p) for p in skip_layers]
     # Every module holding each parameter (by id), with its first name.
@@ -154,6 +330,8 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
     found: list[tuple[str, LayerHandler]] = []
     raw: dict[int, str] = {}
     messages: list[str] = []
+    skipped: dict[str, list[tuple[str, nn.Module, _Raw]]] = {}
+    warned_shared: set[tuple[str, ...]] = set()
     seen: set[int] = set()
     for name, module in model.named_modules():
         if id(module) in seen:
@@ -177,13 +355,11 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
             continue
         made = handler_for(module, **options)
         if made is None:
-            reason, warn = _why_unhandled(module)
+            why = _why_unhandled(module)
             for param in direct:
-                raw.setdefault(id(param), reason)
-            if warn:
-                messages.append(
-                    f"kaisa: skipping {label!r} ({module}): {reason}; its gradients are left as is"
-                )
+                raw.setdefault(id(param), why.reason)
+            if why.group:
+                skipped.setdefault(why.group, []).append((label, module, why))
             continue
         handlers = [made] if isinstance(made, LayerHandler) else list(made)
         claimed = {id(m) for h in handlers for m in h.claimed_modules()}
@@ -195,15 +371,30 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
                 for param in params:
                     raw.setdefault(id(param), "its layer's other parameter is frozen")
                 continue
+            if any(id(p) not in holders for p in params):
+                # Not a parameter of the model: computed in forward (torch's
+                # parametrizations turn .weight into such a tensor).
+                why = _Raw(
+                    f"{handler.kind} of {class_name}: its weight is not a parameter of the model "
+                    "but computed from one (a parametrization?), so it is not preconditioned",
+                    group=f"their weight is not a parameter of the model but computed from one "
+                    f"(a parametrization?), so the {handler.kind} blocks are not preconditioned",
+                )
+                for param in params:
+                    raw.setdefault(id(param), why.reason)
+                skipped.setdefault(why.group, []).append((label, module, why))
+                continue
             shared = [p for p in params if holders[id(p)].keys() - claimed]
             if shared:
                 users = sorted({o for p in shared for o in holders[id(p)].values()})
                 others = [user for user in users if user != label] or users
-                messages.append(
-                    f"kaisa: {label!r} shares a parameter with {', '.join(map(repr, others))}; its "
-                    "gradient sums every use, so it is left raw rather than preconditioned "
-                    "with one use's curvature"
-                )
+                if tuple(users) not in warned_shared:  # one warning per set of users
+                    warned_shared.add(tuple(users))
+                    messages.append(
+                        f"kaisa: {label!r} shares a parameter with {', '.join(map(repr, others))}; "
+                        "its gradient sums every use, so it is left raw rather than "
+                        "preconditioned with one use's curvature"
+                    )
                 shared_ids = {id(p) for p in shared}
                 for param in params:
                     raw[id(param)] = (
@@ -235,7 +426,7 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
         else:
             reason = raw.get(id(param), "not part of a registered layer")
             treatments.append(Treatment(pname, tuple(param.shape), (), "raw", reason))
-    return Survey(found, treatments, messages)
+    return Survey(found, treatments, _skip_warnings(skipped) + messages)
 
 
 def find_layers(

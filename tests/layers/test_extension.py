@@ -63,7 +63,7 @@ def _pair() -> tuple[nn.Module, nn.Module]:
     linear = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3)).double()
     with torch.no_grad():
         for d, lin in ((dense[0], linear[0]), (dense[2], linear[2])):
-            lin.weight.copy_(d.kernel)
+            lin.weight.copy_(d.kernel.t())  # Dense stores (in, out)
             lin.bias.copy_(d.offset)
     return dense, linear
 
@@ -74,7 +74,7 @@ def test_a_registered_handler_takes_the_steps_of_nn_linear() -> None:
     initial = dense[0].kernel.detach().clone()
     got, want = _train(dense), _train(linear)
     for i in (0, 2):
-        torch.testing.assert_close(got[f"{i}.kernel"], want[f"{i}.weight"], rtol=0, atol=1e-12)
+        torch.testing.assert_close(got[f"{i}.kernel"].t(), want[f"{i}.weight"], rtol=0, atol=1e-12)
         torch.testing.assert_close(got[f"{i}.offset"], want[f"{i}.bias"], rtol=0, atol=1e-12)
     assert (got["0.kernel"] - initial).abs().max() > 1e-3  # it moved
 
