@@ -180,7 +180,7 @@ def test_kaisa_registers_every_linear_and_both_embeddings() -> None:
 
 
 def test_kaisa_leaves_the_tied_embedding_raw_with_the_shared_parameter_warning() -> None:
-    """What the library does today with a tied head: both uses raw, one warning per module."""
+    """What the library does today with a tied head: both uses raw, one warning naming both."""
     model = GPT(tied_head=True)
     with pytest.warns(UserWarning, match="shares a parameter") as caught:
         pre = kaisa.KFACPreconditioner(model)
