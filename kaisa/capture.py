@@ -32,14 +32,18 @@ ends otherwise leaves nothing behind for the next:
 Output gradients of a call that arrive after its first one, or after its
 iteration ended, are ignored. With several ranks, on a factor-update step,
 the ranks check that all of them end the iteration alike, in every discard
-and every ``step()``: a 2-element all-reduce where both have issued the same
-collectives (after every factor bucket with the products in the hooks,
-before any without). A rank that discards while another calls ``step()``
-raises :class:`~kaisa.distributed.agreement.RankDisagreementError`, on both,
+and every ``step()``: a 3-element all-reduce (discards, steps in training
+mode, steps in evaluation mode) where all have issued the same collectives
+(after every factor bucket with the products in the hooks, before any
+without). A rank that discards while another calls ``step()`` raises
+:class:`~kaisa.distributed.agreement.RankDisagreementError`, on both,
 instead of hanging or dying in mismatched collectives; when all discard, the
 factor all-reduce the hooks launched is completed and dropped (every rank
 launches every bucket once). Skipping a batch on every rank is fine; on some
-ranks only it is an error (DDP has already averaged its gradient).
+ranks only it is an error (DDP has already averaged its gradient). A rank
+whose model is in evaluation mode while others train captures nothing but
+folds the factors the others all-reduced (:meth:`Capturer.settle`), so the
+ranks stay alike.
 
 **Several backward passes through one forward.** The first output gradient
 that reaches a call enters the factors; later ones for the same call are
@@ -356,7 +360,7 @@ class Capturer:
             self.agree(discarding=True)
         self.end_iteration()
 
-    def agree(self, *, discarding: bool) -> None:
+    def agree(self, *, discarding: bool, training: bool = True) -> bool:
         """With several ranks: check that every rank ends this iteration alike.
 
         Called once per factor-update iteration, by :meth:`discard` and by
@@ -365,12 +369,19 @@ class Capturer:
         factor bucket (some the hooks launched, the rest launched here, a
         data-dependent branch may make the split differ between ranks);
         without, before any. Ranks where one discards while another steps
-        raise :class:`RankDisagreementError` (both of them).
+        raise :class:`RankDisagreementError` (both of them). ``training``: this
+        rank steps with its model in training mode (:meth:`collect`) rather
+        than in evaluation mode (:meth:`settle`).
+
+        Returns whether some rank steps in training mode (with one rank:
+        whether this one does).
         """
         if not self.comm.distributed:
-            return
-        discarded, stepped = self.comm.any_rank([discarding, not discarding])
-        if discarded and stepped:
+            return training and not discarding
+        discarded, trained, evaluated = self.comm.any_rank(
+            [discarding, not discarding and training, not discarding and not training]
+        )
+        if discarded and (trained or evaluated):
             mine = (
                 "discarded this iteration's captures (a training forward began a new "
                 "iteration before step(), or discard_captures())"
@@ -383,6 +394,7 @@ class Capturer:
                 "skip the same batches (a batch skipped after backward() on some ranks "
                 "only leaves the ranks' weights and steps apart)"
             )
+        return trained
 
     # -- at step() -----------------------------------------------------------------
     def factor_sums(self, layer: LayerCaptures) -> Payload | None:
@@ -452,18 +464,23 @@ class Capturer:
             if not layer.submitted:
                 self.submit(layer)
 
-    def settle(self) -> None:
-        """A factor-update ``step()`` that folds nothing (the model in evaluation mode).
+    def settle(self) -> dict[str, dict[PayloadKey, tuple[torch.Tensor, float]]] | None:
+        """A factor-update ``step()`` with the model in evaluation mode (nothing captured here).
 
         With several ranks the factor all-reduce the hooks may have launched
-        is completed and dropped, and the ranks agree that they stepped.
+        is completed and the ranks agree that they stepped. Returns the
+        all-reduced batch factors when some other rank stepped in training
+        mode (this rank then folds them as the others do, so that the ranks
+        stay alike), ``None`` when none did (nothing to fold).
         """
-        if self.comm.distributed:
-            if not self.update_in_hook:
-                self.agree(discarding=False)
-            self.comm.reduced_factors()
-            if self.update_in_hook:
-                self.agree(discarding=False)
+        if not self.comm.distributed:
+            return None
+        if not self.update_in_hook:
+            trained = self.agree(discarding=False, training=False)
+        payloads = self.comm.reduced_factors()
+        if self.update_in_hook:
+            trained = self.agree(discarding=False, training=False)
+        return payloads if trained else None
 
     def end_iteration(self) -> None:
         """Forget the iteration's captures (at the end of every ``step()``, or a discard)."""

@@ -490,12 +490,18 @@ class KFACPreconditioner:
         held = sum(c.capture_bytes() for c in captures)
         self._peak_capture_bytes = max(self._peak_capture_bytes, held)
         self._auto.pass_ended()
+        self._check_eval_mode()
         try:
             if self._capturer.enabled:
                 if self.model.training:
-                    hyper = self._update_factors(hyper)
-                else:  # nothing to fold; the all-reduce the hooks launched completes
-                    self._capturer.settle()
+                    hyper = self._update_factors(hyper, self._capturer.collect())
+                else:
+                    # Nothing captured here; the all-reduce the hooks launched
+                    # completes, and when other ranks trained their factors are
+                    # folded here too (the ranks stay alike).
+                    reduced = self._capturer.settle()
+                    if reduced is not None:
+                        hyper = self._update_factors(hyper, reduced)
             if self._steps % hyper.inv_update_steps == 0 or self._force_inverse_update:
                 self._update_second_order(hyper.damping)
                 self._force_inverse_update = False
@@ -509,13 +515,14 @@ class KFACPreconditioner:
                 self._reopen_choice()
             self.telemetry.end_step()
 
-    def _update_factors(self, hyper: StepHyper) -> StepHyper:
-        """All-reduce this step's captures, make the automatic choice if due, fold.
+    def _update_factors(
+        self, hyper: StepHyper, payloads: Mapping[str, Mapping[PayloadKey, tuple[Any, float]]]
+    ) -> StepHyper:
+        """Make the automatic choice if due and fold this step's all-reduced captures.
 
         Returns the hyperparameters in force after it (a choice sets intervals).
         """
         captures = [layer.captures for layer in self._layers]
-        payloads = self._capturer.collect()
         self._check_idle(payloads)
         if not payloads:
             return hyper
@@ -588,12 +595,18 @@ class KFACPreconditioner:
                         layer.name,
                         self._steps,
                     )
-            if (
-                began
-                and not layer.captures.called
-                and self._has_gradient(layer)
-                and self._once(f"outside {layer.name}")
-            ):
+            if not began or layer.captures.called or not self._has_gradient(layer):
+                continue
+            if not layer.handler.module.training:
+                # (When every registered layer evaluates, step() has said so already.)
+                if "eval mode" not in self._reported and self._once(f"eval {layer.name}"):
+                    warn(
+                        f"kaisa: layer {layer.name!r} is in evaluation mode while the model "
+                        "runs a training forward: kaisa captures nothing from it and leaves "
+                        "its gradient raw; call .train() on it to precondition it (reported "
+                        "once per layer)"
+                    )
+            elif self._once(f"outside {layer.name}"):
                 warn(
                     f"kaisa: layer {layer.name!r} captured nothing on factor-update step "
                     f"{self._steps} in training mode, yet its parameters have a gradient: "
@@ -601,6 +614,31 @@ class KFACPreconditioner:
                     "F.linear(x, layer.weight)); its gradient is left raw until it captures "
                     "(its factors are kept; reported once)"
                 )
+
+    def _check_eval_mode(self) -> None:
+        """``step()`` in an iteration with no training forward: is the model evaluating?
+
+        With the model (or every registered layer) in evaluation mode kaisa
+        captures nothing, so gradients that exist were computed in evaluation
+        mode and are left raw (with several ranks, preconditioned with the
+        other ranks' curvature). Warned about once; ``step()`` with no
+        gradient (after ``zero_grad()``) or in training mode says nothing here.
+        """
+        if "eval mode" in self._reported:
+            return
+        evaluating = (not self._capturer.began and not self.model.training) or not any(
+            layer.handler.module.training for layer in self._layers
+        )
+        if not evaluating or not any(self._has_gradient(layer) for layer in self._layers):
+            return
+        self._once("eval mode")
+        warn(
+            "kaisa: step() found gradients on the registered layers, but they were computed "
+            "with the model in evaluation mode (model.eval()): kaisa captures curvature in "
+            "training mode only, so none was captured (in one process the gradients are left "
+            "raw; with several ranks they take the other ranks' curvature). Call model.train() "
+            "before the training forward pass (reported once)"
+        )
 
     @staticmethod
     def _has_gradient(layer: _Layer) -> bool:
