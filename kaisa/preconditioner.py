@@ -23,6 +23,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kaisa.attachment import (
+    Structure,
+    WeakCall,
+    claim,
+    detach_when_collected,
+    holders,
+    release,
+)
 from kaisa.autochoice import AutoChoice, FixedSides
 from kaisa.capture import Capturer, LayerCaptures
 from kaisa.checkpoint import CheckpointTarget, LayerSlot, read_state, write_state
@@ -44,7 +52,7 @@ from kaisa.distributed.plan import LayerShape, WorkPlan, make_plan
 from kaisa.engines import select_engine
 from kaisa.engines.base import LossScale
 from kaisa.layers import LayerHandler
-from kaisa.layers.base import Detachable
+from kaisa.layers.base import Detachable, GradSelect
 from kaisa.layers.registry import Coverage, coverage_of, survey
 from kaisa.options import REFERENCE_DEFAULTS, KFACOptions, StepHyper
 from kaisa.telemetry import Telemetry
@@ -282,12 +290,26 @@ class KFACPreconditioner:
             device_type=self.device.type,
             grad_scale=self.loss_scale.reader(),
         )
+        # Nothing below can fail: a preconditioner already on these layers (not
+        # detached with remove_hooks()) hands them over to this one.
+        modules = [layer.handler.module for layer in self._layers]
+        for previous in holders(modules, exclude=self):
+            previous._hand_over(self)
+        # The model's hooks hold the preconditioner weakly; when it is collected
+        # without remove_hooks(), its finalizer removes them.
         self._handles: list[Detachable] = [
-            layer.handler.attach(functools.partial(self._capturer.capture, layer.captures))
-            for layer in self._layers
+            layer.handler.attach(WeakCall(self, "_capture", index))
+            for index, layer in enumerate(self._layers)
         ]
-        self._handles.append(model.register_forward_pre_hook(self._root_forward))
-        self._handles.append(model.register_forward_hook(self._root_forward_done, always_call=True))
+        self._handles.append(model.register_forward_pre_hook(WeakCall(self, "_root_forward")))
+        self._handles.append(
+            model.register_forward_hook(WeakCall(self, "_root_forward_done"), always_call=True)
+        )
+        detach_when_collected(self, self._handles)
+        claim(modules, self)
+        #: The newer preconditioner that took these layers over (see _hand_over).
+        self._replaced_by: str | None = None
+        self._structure = Structure(model, modules)
         self._reported: set[str] = set()  # what was warned about once (see _once)
         self._steps = 0
         self._peak_capture_bytes = 0
@@ -449,16 +471,24 @@ class KFACPreconditioner:
         return self._steps % interval == 0
 
     # -- hooks -----------------------------------------------------------------------
+    def _capture(
+        self, index: int, x: torch.Tensor, output: torch.Tensor, select: GradSelect
+    ) -> None:
+        """A call of registered layer ``index`` (the layer hooks hold this weakly)."""
+        self._capturer.capture(self._layers[index].captures, x, output, select)
+
     def _root_forward(self, module: nn.Module, args: object) -> None:
         """A forward pass of the whole model (while training with autograd on) begins."""
-        if module.training and torch.is_grad_enabled():
+        # (A deep copy of the model carries the hook along: its forward is not ours.)
+        if module is self.model and module.training and torch.is_grad_enabled():
             self._auto.pass_started()
             self._auto.forward_began()
             self._capturer.root_forward(module)
 
     def _root_forward_done(self, module: nn.Module, args: object, output: object) -> None:
         """The whole model's forward ended, or raised (the operator count stops)."""
-        self._auto.forward_ended()
+        if module is self.model:
+            self._auto.forward_ended()
 
     # -- the step ----------------------------------------------------------------------
     @torch.no_grad()
@@ -473,12 +503,29 @@ class KFACPreconditioner:
         dropped by :meth:`discard_captures`, or when the next one begins
         (:mod:`kaisa.capture`).
         """
+        if self._replaced_by is not None:
+            raise RuntimeError(
+                f"kaisa: this KFACPreconditioner was replaced by a newer KFACPreconditioner "
+                f"({self._replaced_by}) built on the same layers: it no longer preconditions. "
+                "Call step() on the new one (and remove_hooks() on a preconditioner before "
+                "building its replacement)"
+            )
         if not self._grads.at_boundary():
             return  # a DeepSpeed micro-step inside an accumulation cycle
         # Every schedule is read (and checked) before anything changes: a bad
         # value raises here, leaving captures, factors and the step count as
         # they were.
         hyper = self.hyperparameters()
+        changes = self._structure.changes(thorough=self._capturer.enabled)
+        if changes:
+            warn(
+                "kaisa: the model changed after the preconditioner was built: "
+                + "; ".join(changes)
+                + ". kaisa keeps preconditioning the layers it registered that still run; "
+                "build a new preconditioner for the new model (call remove_hooks() on this "
+                "one first). Each change is reported once",
+                UserWarning,
+            )
         captures = [layer.captures for layer in self._layers]
         if self.loss_scale.still_scaled() and self._once("scaled"):
             warn(
@@ -595,7 +642,12 @@ class KFACPreconditioner:
                         layer.name,
                         self._steps,
                     )
-            if not began or layer.captures.called or not self._has_gradient(layer):
+            if (
+                not began
+                or layer.captures.called
+                or id(layer.handler.module) in self._structure.removed  # (reported)
+                or not self._has_gradient(layer)
+            ):
                 continue
             if not layer.handler.module.training:
                 # (When every registered layer evaluates, step() has said so already.)
@@ -814,10 +866,39 @@ class KFACPreconditioner:
         self._force_inverse_update = restore.recompute
 
     def remove_hooks(self) -> None:
-        """Detach from the model (the preconditioner can no longer capture)."""
+        """Detach from the model: call it before replacing or dropping a preconditioner.
+
+        The preconditioner can no longer capture; another one may be built on
+        the same layers without a warning. (A preconditioner dropped without
+        it is not kept alive by the model: its hooks hold it weakly and are
+        removed when it is collected. One built on layers another still holds
+        takes them over, with a warning.)
+        """
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        release([layer.handler.module for layer in self._layers], self)
+
+    def _hand_over(self, successor: KFACPreconditioner) -> None:
+        """A newer preconditioner was built on layers this one holds: it takes over.
+
+        This one's hooks are removed (no gradient is preconditioned twice) and
+        its ``step()`` raises from now on.
+        """
+        theirs = {id(layer.handler.module) for layer in successor._layers}
+        shared = [la.name for la in self._layers if id(la.handler.module) in theirs]
+        self.remove_hooks()
+        self._replaced_by = f"at 0x{id(successor):x}"
+        warn(
+            f"kaisa: layers {', '.join(repr(name) for name in shared[:3])}"
+            f"{', …' if len(shared) > 3 else ''} are already preconditioned by "
+            f"KFACPreconditioner at 0x{id(self):x} ({len(self._layers)} layers), which was "
+            "not detached with remove_hooks() (a notebook cell run again?): the new "
+            "preconditioner takes over; the old one's hooks are removed and its step() "
+            "raises, so no gradient is preconditioned twice. Call remove_hooks() on a "
+            "preconditioner before building its replacement",
+            UserWarning,
+        )
 
     def __repr__(self) -> str:
         hyper = self.options.describe_hyper(self.hyperparameters())

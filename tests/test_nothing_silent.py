@@ -3,13 +3,25 @@
 * The model left in evaluation mode while gradients exist: one warning that
   names the cause and the fix (``model.train()``); an evaluation loop between
   training steps says nothing.
+* A second preconditioner on the same layers (a notebook cell run twice)
+  takes over from the first, with a warning naming it and ``remove_hooks()``:
+  the gradient is preconditioned once, and the first refuses ``step()``.
+* Preconditioners dropped without ``remove_hooks()`` do not live on through
+  their hooks: the hooks hold them weakly and are removed when they are
+  collected.
+* The model changed after construction (a registered layer replaced or
+  removed, a module with parameters added) is reported at the next
+  ``step()``, once per change.
 
 (On several ranks, one rank in evaluation mode: ``tests/distributed/test_eval_mode.py``.)
 """
 
 from __future__ import annotations
 
+import copy
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -108,4 +120,135 @@ def test_evaluation_between_training_steps_is_silent() -> None:
                 net(batch(10 + step)[0])
             net.train()
         # step() with no forward at all in training mode (twice after one backward).
+        pre.step()
+
+
+# -- a second preconditioner on the same model ----------------------------------------
+
+
+def test_second_preconditioner_takes_over() -> None:
+    net = model()
+    reference = copy.deepcopy(net)
+    single = make(reference)
+    backward(reference)
+    single.step()
+
+    first = make(net)
+    alone = hooks(net)
+    with pytest.warns(UserWarning, match=r"already preconditioned by KFACPreconditioner") as rec:
+        second = make(net)
+    text = str(rec[0].message)
+    assert "remove_hooks()" in text and "'0'" in text
+    assert hooks(net) == alone  # the first one's hooks are gone
+    backward(net)
+    second.step()
+    # Preconditioned once: as a single preconditioner does.
+    for p, q in zip(net.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match=r"replaced by a newer KFACPreconditioner"):
+        first.step()
+
+
+def test_second_preconditioner_after_remove_hooks_is_silent() -> None:
+    net = model()
+    first = make(net)
+    first.remove_hooks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = make(net)
+    backward(net)
+    second.step()
+
+
+def test_preconditioners_on_disjoint_layers_coexist() -> None:
+    net = model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        front = make(net, skip_layers=["^2$"])
+        back = make(net[2])
+    backward(net)
+    front.step()
+    back.step()
+    assert [layer.name for layer in front.layers] == ["0"]
+
+
+# -- dropped preconditioners ------------------------------------------------------------
+
+
+def test_dropped_preconditioners_are_collected_with_their_hooks() -> None:
+    net = model()
+    baseline = hooks(net)
+    refs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (each takes over from the one before)
+        for step in range(30):
+            pre = make(net)
+            backward(net, step)
+            pre.step()
+            refs.append(weakref.ref(pre))
+            del pre
+    gc.collect()
+    assert sum(ref() is not None for ref in refs) == 0
+    assert hooks(net) == baseline
+
+
+def test_a_dropped_preconditioner_leaves_nothing_behind() -> None:
+    """Without a second one to take over: its hooks go when it is collected."""
+    net = model()
+    baseline = hooks(net)
+    pre = make(net)
+    assert hooks(net) > baseline
+    backward(net)
+    pre.step()
+    ref = weakref.ref(pre)
+    del pre
+    gc.collect()
+    assert ref() is None
+    assert hooks(net) == baseline
+    backward(net)  # the model still trains, with nothing of kaisa attached
+
+
+# -- the model changed after construction ----------------------------------------------
+
+
+def test_replaced_layer_is_reported_once() -> None:
+    net = model()
+    pre = make(net)
+    backward(net)
+    pre.step()
+    net[2] = nn.Linear(8, 3)
+    with pytest.warns(UserWarning, match=r"model changed") as rec:
+        net.zero_grad()
+        backward(net, 1)
+        pre.step()
+    text = " ".join(messages(list(rec), "model changed"))
+    assert "'2'" in text and "replaced or removed" in text and "added" in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        net.zero_grad()
+        backward(net, 2)
+        pre.step()
+
+
+def test_added_module_is_reported() -> None:
+    net = model()
+    pre = make(net, factor_update_steps=5)
+    backward(net)
+    pre.step()
+    net.add_module("extra", nn.Linear(3, 3))
+    with pytest.warns(UserWarning, match=r"model changed.*'extra' \(Linear\)"):
+        net.zero_grad()
+        backward(net, 1)
+        pre.step()
+
+
+def test_removed_layer_is_reported() -> None:
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 3))
+    pre = make(net)
+    backward(net)
+    pre.step()
+    del net[2]
+    with pytest.warns(UserWarning, match=r"model changed.*'2' \(Linear\).*replaced or removed"):
+        net.zero_grad()
+        backward(net, 1)
         pre.step()
