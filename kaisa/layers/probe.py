@@ -286,10 +286,12 @@ def check_factory(
     """Run ``factory`` on a probe copy of ``module`` and check what it makes (see above).
 
     Returns whether anything was checked: not when the factory skips the
-    module (returns ``None``) nor for a module whose parameters are not
-    materialised (the meta device: nothing to compute with).
+    module (returns ``None``) nor for a module whose parameters are not plain
+    local tensors (the meta device: nothing to compute with; FSDP2's
+    DTensor shards: the copy could not compute alone); such a module's type
+    is checked on the next plain one.
     """
-    if any(p.is_meta for p in module.parameters()):
+    if any(p.is_meta or type(p.data) is not torch.Tensor for p in module.parameters()):
         return False
     probe = _probe_copy(module)
     made = factory(probe, **(options or {}))

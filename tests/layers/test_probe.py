@@ -164,6 +164,7 @@ def test_a_good_handler_is_checked_once_on_the_first_module_and_then_used() -> N
     # One probe (on a copy of the first module), then one handler per module.
     assert len(checked) == 3 and checked[0] is not model[0] and checked[1] is model[0]
     assert InOut not in registry._UNCHECKED
+    pre.remove_hooks()
     kaisa.KFACPreconditioner(model)
     assert len(checked) == 5  # no second probe
 

@@ -169,7 +169,9 @@ def test_subclasses_that_keep_forward_are_preconditioned_as_before() -> None:
 def test_a_handler_registered_for_the_subclass_itself_preconditions_it() -> None:
     model = nn.Sequential(Logged(4, 5), nn.ReLU(), nn.Linear(5, 2))
     with pytest.warns(UserWarning, match="Logged overrides nn.Linear.forward"):
-        assert [layer.name for layer in kaisa.KFACPreconditioner(model).layers] == ["2"]
+        before = kaisa.KFACPreconditioner(model)
+    assert [layer.name for layer in before.layers] == ["2"]
+    before.remove_hooks()
     kaisa.register_handler(Logged, registry._linear, example=Logged(3, 2))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
