@@ -22,6 +22,7 @@ from kaisa.choices import ComputeMethod, DampingMode, EigenCorrection, FactorIni
 from kaisa.curvature.eigencorrection import EigenScales, correction_power
 from kaisa.curvature.linalg import (
     DecompositionError,
+    compute_dtype,
     eigen_outer_inverse,
     precondition_eigen,
     precondition_inverse,
@@ -226,7 +227,10 @@ class KroneckerBlock:
         """Give this rank second-order state: that of the identity factors (and ``S = 0``)."""
         if self.correction != "off" and self.eigen_scales is None:
             device = self.sides["a"].factor.device
-            self.eigen_scales = EigenScales.zeros(self.g_size, self.a_size, device, self.inv_dtype)
+            # S (squared gradients) is kept in at least float32: it does not fit float16.
+            self.eigen_scales = EigenScales.zeros(
+                self.g_size, self.a_size, device, compute_dtype(self.inv_dtype)
+            )
         if self.has_second_order:
             return
         for side in self.sides.values():
@@ -268,7 +272,9 @@ class KroneckerBlock:
         for side in self.sides.values():
             side.invalidate()  # a column broadcast may have written the state
         if self.eigen_outer_product:
-            self.outer_inverse = eigen_outer_inverse(*self._eigenvalues(), damping)
+            # Computed in at least float32, stored in inv_dtype.
+            outer = eigen_outer_inverse(*self._eigenvalues(), damping)
+            self.outer_inverse = outer.to(self.inv_dtype)
 
     def _exact_sides(self) -> tuple[ExactSide, ExactSide]:
         a, g = self.sides["a"], self.sides["g"]
@@ -276,7 +282,8 @@ class KroneckerBlock:
         return a, g
 
     def _eigenvalues(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(λ_G, λ_A)`` as the damping sees them: those of ``G/s_G`` and ``A/s_A``."""
+        """``(λ_G, λ_A)`` as the damping sees them: those of ``G/s_G`` and ``A/s_A``
+        (in at least float32)."""
         a, g = self._exact_sides()
         return g.scaled_state()[1], a.scaled_state()[1]
 
@@ -289,8 +296,9 @@ class KroneckerBlock:
             # Contiguous: the gradient broadcast sends tensors in memory order.
             return a.solve(g.solve(grad, gamma_g, dim=0), gamma_a, dim=1).contiguous()
         a, g = self._exact_sides()
+        # Solved in at least float32 whatever inv_dtype (spec §4): work_state().
         if self.method == "eigen":
-            qa, qg = a.eigen[0], g.eigen[0]
+            qa, qg = a.work_state()[0], g.work_state()[0]
             if self.eigen_scales is not None:
                 return self.eigen_scales.solve(
                     grad,
@@ -305,7 +313,7 @@ class KroneckerBlock:
                 return precondition_eigen(grad, qa, qg, outer_inverse=self.outer_inverse)
             dg, da = self._eigenvalues()
             return precondition_eigen(grad, qa, qg, da=da, dg=dg, damping=damping)
-        return precondition_inverse(grad, a.state_tensors()[0], g.state_tensors()[0])
+        return precondition_inverse(grad, a.work_state()[0], g.work_state()[0])
 
     # -- accounting and checkpoints ----------------------------------------------
     def factor_bytes(self) -> int:
@@ -667,7 +675,7 @@ def check_block_state(
                 f"{where}: eigenvalue-corrected scales",
                 (layout.g_size, layout.a_size),
                 device,
-                layout.inv_dtype,
+                compute_dtype(layout.inv_dtype),
             ),
             check_count(state["eigen_scale_updates"], f"{where}: 'eigen_scale_updates'"),
         )

@@ -99,7 +99,10 @@ class Side(ABC):
         name: the layer and side, for messages and the low-rank seed.
         size: the factor's side ``n``.
         device, factor_dtype: where and in which dtype the running average lives.
-        inv_dtype: dtype of the second-order state.
+        inv_dtype: dtype the second-order state is stored in. It is computed,
+            and solves run, in at least float32 whatever this dtype
+            (:attr:`work_dtype`, spec §4): a half-precision state is cast up
+            once per refresh (:meth:`work_state`), never solved in.
         relative: damping relative to the factor's mean eigenvalue.
     """
 
@@ -119,6 +122,8 @@ class Side(ABC):
         self.name = name
         self.size = size
         self.inv_dtype = inv_dtype
+        #: The dtype the state is computed and applied in: at least float32.
+        self.work_dtype = compute_dtype(inv_dtype)
         self.relative = relative
         if self.capture == "gram":
             self.factor = torch.eye(size, dtype=factor_dtype, device=device)
@@ -129,6 +134,8 @@ class Side(ABC):
         # (damping, tensors): what solve() needs besides the matrix, computed
         # once per state and damping (see coefficients()).
         self._coefficients: tuple[float, tuple[torch.Tensor, ...]] | None = None
+        # The state in work_dtype when it is stored in a narrower one (see work_state()).
+        self._work: list[torch.Tensor] | None = None
 
     @property
     def spec(self) -> SideSpec:
@@ -149,6 +156,22 @@ class Side(ABC):
     def invalidate(self) -> None:
         """The state changed (a refresh, a broadcast received into it, a load)."""
         self._coefficients = None
+        self._work = None
+
+    def work_state(self) -> list[torch.Tensor]:
+        """The second-order state in :attr:`work_dtype` (at least float32).
+
+        The state's own tensors when it is stored in float32 or float64; a
+        copy, made once per state (until :meth:`invalidate`), when it is stored
+        in half precision: solving in float16 loses the small gradients and
+        eigenvalue products entirely.
+        """
+        state = self.allocate()
+        if all(t.dtype == self.work_dtype for t in state):
+            return list(state)
+        if self._work is None:
+            self._work = [t.to(self.work_dtype) for t in state]
+        return self._work
 
     def coefficients(self, damping: float) -> tuple[torch.Tensor, ...]:
         """What :meth:`solve` needs besides the matrix, for the current state.
@@ -206,7 +229,7 @@ class Side(ABC):
         at the dtype's smallest normal number (:func:`mean_scale`).
         """
         if not self.relative:
-            return torch.ones((), dtype=self.inv_dtype, device=self.factor.device)
+            return torch.ones((), dtype=self.work_dtype, device=self.factor.device)
         return mean_scale(self._scale_source())
 
     def _scale_source(self) -> torch.Tensor:
@@ -216,10 +239,11 @@ class Side(ABC):
     def scaled_state(self) -> list[torch.Tensor]:
         """The second-order state of ``F/s``: each tensor divided by ``s`` to its power.
 
-        What every :meth:`solve` and the block's exact eigen solve read. Under
-        absolute damping (``s = 1``) these are the state's tensors themselves.
+        What every :meth:`solve` and the block's exact eigen solve read, in
+        :attr:`work_dtype`. Under absolute damping (``s = 1``) these are the
+        tensors of :meth:`work_state` themselves.
         """
-        state = self.allocate()
+        state = self.work_state()
         powers = self._state_powers()
         if not self.relative or not any(powers):
             return list(state)
@@ -260,7 +284,7 @@ class Side(ABC):
 
     @abstractmethod
     def mean_eigenvalue(self) -> torch.Tensor:
-        """``trace(F)/n`` of the matrix the state stands for (0-d, ``inv_dtype``)."""
+        """``trace(F)/n`` of the matrix the state stands for (0-d, :attr:`work_dtype`)."""
 
     @abstractmethod
     def solve(self, matrix: torch.Tensor, damping: float, dim: int) -> torch.Tensor:
@@ -268,7 +292,7 @@ class Side(ABC):
 
         ``dim=0``: ``(F/s + γI)⁻¹ M`` (the ``G`` side, ``M`` is ``(n, ·)``);
         ``dim=1``: ``M (F/s + γI)⁻¹`` (the ``A`` side, ``M`` is ``(·, n)``).
-        Computed in the state's dtype, returned in ``matrix``'s.
+        Computed in :attr:`work_dtype` (at least float32), returned in ``matrix``'s.
         """
 
     @abstractmethod
@@ -323,12 +347,12 @@ class ExactSide(Side):
 
     def mean_eigenvalue(self) -> torch.Tensor:
         if self.method == "eigen":
-            return self.allocate()[1].mean()
-        return self.factor.diagonal().mean().to(self.inv_dtype)
+            return self.work_state()[1].mean()
+        return self.factor.diagonal().mean().to(self.work_dtype)
 
     @property
     def eigen(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(Q, λ)`` of the eigen method."""
+        """``(Q, λ)`` of the eigen method, as stored (``inv_dtype``)."""
         q, values = self.allocate()
         return q, values
 
@@ -355,9 +379,9 @@ class ExactSide(Side):
 
     def dense(self) -> torch.Tensor:
         if self.method == "eigen":
-            q, values = self.eigen
+            q, values = self.work_state()
             return (q * values) @ q.t()
-        return self.factor.to(self.inv_dtype)
+        return self.factor.to(self.work_dtype)
 
 
 class LowRankSide(Side):
@@ -425,7 +449,7 @@ class LowRankSide(Side):
         return [u.to(self.inv_dtype), top.to(self.inv_dtype), sigma.reshape(1).to(self.inv_dtype)]
 
     def mean_eigenvalue(self) -> torch.Tensor:
-        _, values, sigma = self.allocate()
+        _, values, sigma = self.work_state()
         return (values.sum() + (self.size - self.rank) * sigma[0]) / self.size
 
     def _solve_coefficients(
@@ -443,7 +467,7 @@ class LowRankSide(Side):
         return _along(out, dim).to(matrix.dtype)
 
     def dense(self) -> torch.Tensor:
-        u, values, sigma = self.allocate()
+        u, values, sigma = self.work_state()
         eye = torch.eye(self.size, dtype=u.dtype, device=u.device)
         return (u * values) @ u.t() + sigma[0] * (eye - u @ u.t())
 
@@ -465,7 +489,7 @@ class KroneckerVectorSide(Side):
         return [self.factor[0].to(self.inv_dtype)]
 
     def mean_eigenvalue(self) -> torch.Tensor:
-        (mean,) = self.allocate()
+        (mean,) = self.work_state()
         return mean.dot(mean) / self.size
 
     def _solve_coefficients(
@@ -482,7 +506,7 @@ class KroneckerVectorSide(Side):
         return _along(out, dim).to(matrix.dtype)
 
     def dense(self) -> torch.Tensor:
-        (mean,) = self.allocate()
+        (mean,) = self.work_state()
         return torch.outer(mean, mean)
 
 
@@ -500,7 +524,7 @@ class DiagonalSide(Side):
         return [self.factor[1].to(self.inv_dtype)]
 
     def mean_eigenvalue(self) -> torch.Tensor:
-        return self.allocate()[0].mean()
+        return self.work_state()[0].mean()
 
     def _solve_coefficients(
         self, state: list[torch.Tensor], damping: float
@@ -515,7 +539,7 @@ class DiagonalSide(Side):
         return _along(inv * m, dim).to(matrix.dtype)
 
     def dense(self) -> torch.Tensor:
-        return torch.diag(self.allocate()[0])
+        return torch.diag(self.work_state()[0])
 
 
 def make_side(
