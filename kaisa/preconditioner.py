@@ -37,7 +37,7 @@ from kaisa.checkpoint import CheckpointTarget, LayerSlot, read_state, write_stat
 from kaisa.curvature.block import OUTLIER_PATIENCE, OUTLIER_RATIO, KroneckerBlock
 from kaisa.curvature.budget import BudgetChoice
 from kaisa.curvature.costs import DEFAULT_COST_MODEL, CostModel
-from kaisa.curvature.fold import fold_batch
+from kaisa.curvature.fold import SKIPPED_IN_A_ROW, fold_batch
 from kaisa.curvature.grafting import graft
 from kaisa.curvature.linalg import kl_clip_scale
 from kaisa.distributed.agreement import agreement_digest, check_agreement
@@ -312,6 +312,7 @@ class KFACPreconditioner:
         self._structure = Structure(model, modules)
         self._reported: set[str] = set()  # what was warned about once (see _once)
         self._steps = 0
+        self._skipped_in_a_row = 0  # factor updates skipped (not finite) since the last fold
         self._peak_capture_bytes = 0
         self._capturer.enabled = self._is_factor_step()
         self._force_inverse_update = False
@@ -597,6 +598,9 @@ class KFACPreconditioner:
         blocks = {layer.name: layer.block for layer in self._layers}
         outcome = fold_batch(blocks, payloads, grads, hyper.factor_decay)
         self.telemetry.skipped_factor_updates += int(outcome.skipped)
+        self._skipped_in_a_row = self._skipped_in_a_row + 1 if outcome.skipped else 0
+        if self._skipped_in_a_row >= SKIPPED_IN_A_ROW and self._once("skipped in a row"):
+            self._warn_skipped(payloads)
         self.telemetry.outlier_factor_updates += len(outcome.outliers)
         for name in outcome.outliers:
             if self._once(f"outlier {name}"):
@@ -606,6 +610,38 @@ class KFACPreconditioner:
                     f"scale in after {OUTLIER_PATIENCE} in a row (reported once per layer)"
                 )
         return hyper
+
+    def _warn_skipped(self, payloads: Mapping[str, Mapping[PayloadKey, tuple[Any, float]]]) -> None:
+        """Factor updates skipped :data:`SKIPPED_IN_A_ROW` times in a row: say why, once."""
+        overflowed = [
+            name
+            for name, payload in payloads.items()
+            if not all(bool(torch.isfinite(t).all()) for t, _ in payload.values())
+        ]
+        if overflowed and self.product_dtype == torch.float16:
+            cause = (
+                f"the factor products overflow float16 (factor_product_dtype=torch.float16; "
+                f"largest value 65504, e.g. layer {overflowed[0]!r}): activations or output "
+                "gradients around 100 already overflow their sums of squares. Use "
+                "factor_product_dtype=torch.bfloat16 (float32's range) or torch.float32"
+            )
+        elif overflowed:
+            cause = (
+                f"the captured inputs or output gradients hold NaN or Inf (e.g. layer "
+                f"{overflowed[0]!r}): a diverging loss, or AMP overflow (pass grad_scaler= so "
+                "that kaisa unscales the output gradients)"
+            )
+        else:
+            cause = (
+                "the gradients hold NaN or Inf: a diverging loss, or AMP without "
+                "scaler.unscale_(optimizer) before preconditioner.step() (the GradScaler then "
+                "skips those optimizer steps)"
+            )
+        warn(
+            f"kaisa: {self._skipped_in_a_row} factor updates in a row were skipped because "
+            f"something was not finite, so no curvature is being gathered; likely cause: "
+            f"{cause} (telemetry.skipped_factor_updates counts them; reported once)"
+        )
 
     def _check_idle(self, payloads: Mapping[str, Mapping[PayloadKey, tuple[Any, float]]]) -> None:
         """Layers that captured nothing this factor-update step (rows are equal on every rank).

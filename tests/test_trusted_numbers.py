@@ -6,11 +6,14 @@
   off); ``torch.float16``, whose range cannot hold the curvature (measured
   35% to 6900% off even with the solve in float32), is refused, as a factor
   dtype too.
+* Factor updates skipped several times in a row (not finite) are reported
+  once, naming the likely cause (float16 products that overflow).
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -72,3 +75,54 @@ def test_bfloat16_state_is_solved_in_float32(damping_mode: str, scale: float) ->
     assert error(half, reference) < 0.05
     for layer in pre.layers:
         assert all(t.dtype == torch.bfloat16 for t in layer.block.second_order["a"])
+
+
+# -- skipped factor updates ------------------------------------------------------------
+
+
+def test_factor_updates_skipped_in_a_row_are_reported_with_their_cause() -> None:
+    """float16 products of activations around 80 overflow: every update is skipped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
+    pre = kaisa.KFACPreconditioner(
+        model,
+        factor_product_dtype=torch.float16,
+        factor_update_steps=1,
+        inv_update_steps=1,
+        curvature="exact",
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(5):
+            gen = torch.Generator().manual_seed(step)
+            x = 80 * torch.rand(64, 16, generator=gen)
+            model.zero_grad()
+            F.cross_entropy(model(x), torch.randint(0, 4, (64,), generator=gen)).backward()
+            pre.step()
+            if step == 1:
+                assert not [w for w in caught if "in a row" in str(w.message)]
+    assert pre.telemetry.skipped_factor_updates == 5
+    found = [str(w.message) for w in caught if "in a row" in str(w.message)]
+    assert len(found) == 1
+    assert "overflow float16" in found[0] and "factor_product_dtype=torch.bfloat16" in found[0]
+
+
+def test_an_occasional_skip_is_not_reported() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
+    pre = kaisa.KFACPreconditioner(
+        model, factor_update_steps=1, inv_update_steps=1, curvature="exact"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(8):
+            gen = torch.Generator().manual_seed(step)
+            x = torch.randn(32, 16, generator=gen)
+            if step % 3 == 1:
+                x[0, 0] = float("nan")  # a NaN batch every third step
+            model.zero_grad()
+            F.cross_entropy(model(x), torch.randint(0, 4, (32,), generator=gen)).backward()
+            for p in model.parameters():
+                p.grad.nan_to_num_(0.0)  # type: ignore[union-attr]
+            pre.step()
+    assert pre.telemetry.skipped_factor_updates == 3

@@ -21,7 +21,12 @@ from kaisa.curvature.block import KroneckerBlock
 from kaisa.curvature.costs import Capture
 from kaisa.curvature.linalg import finite_with_values
 
-__all__ = ["FoldOutcome", "fold_batch"]
+__all__ = ["SKIPPED_IN_A_ROW", "FoldOutcome", "fold_batch"]
+
+#: After this many factor updates skipped in a row (not finite), the front door
+#: warns, naming the likely cause: one overflow is an accident, three in a row
+#: mean that no curvature is being gathered at all.
+SKIPPED_IN_A_ROW = 3
 
 #: Per layer, per ``(side, capture)`` piece: the batch factor and its row count.
 Batch = Mapping[str, Mapping[tuple[str, Capture], tuple[torch.Tensor, float]]]
