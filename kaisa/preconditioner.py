@@ -34,7 +34,13 @@ from kaisa.attachment import (
 from kaisa.autochoice import AutoChoice, FixedSides
 from kaisa.capture import Capturer, LayerCaptures
 from kaisa.checkpoint import CheckpointTarget, LayerSlot, read_state, write_state
-from kaisa.curvature.block import OUTLIER_PATIENCE, OUTLIER_RATIO, KroneckerBlock
+from kaisa.curvature.block import (
+    HELD_FACTOR_WARNING,
+    OUTLIER_PATIENCE,
+    OUTLIER_RATIO,
+    Factor,
+    KroneckerBlock,
+)
 from kaisa.curvature.budget import BudgetChoice
 from kaisa.curvature.costs import DEFAULT_COST_MODEL, CostModel
 from kaisa.curvature.fold import SKIPPED_IN_A_ROW, fold_batch
@@ -749,9 +755,18 @@ class KFACPreconditioner:
                 if layer.dormant:
                     continue
                 assignment = self.plan.layer(layer.name)
+                done: list[Factor] = []
                 for which, owner in (("a", assignment.a_rank), ("g", assignment.g_rank)):
-                    if owner == rank and not layer.block.decompose(which, damping):  # type: ignore[arg-type]
+                    if owner != rank:
+                        continue
+                    if layer.block.decompose(which, damping):  # type: ignore[arg-type]
+                        done.append(which)  # type: ignore[arg-type]
+                    else:
                         self.telemetry.failed_decompositions += 1
+                # Too coarse in float32 for this damping: redone in float64.
+                redone = layer.block.refine(done, damping) if done else {}
+                if redone:
+                    self._refined(layer.name, redone, damping)
         working = [layer for layer in self._layers if layer.grad_worker and not layer.dormant]
         self.comm.broadcast_decompositions(
             {
@@ -762,6 +777,30 @@ class KFACPreconditioner:
         with self.telemetry.timer("decomposition"):
             for layer in working:
                 layer.block.finish_update(damping)
+
+    def _refined(self, name: str, redone: Mapping[Factor, float], damping: float) -> None:
+        """Sides of a layer decomposed again in float64 (:meth:`KroneckerBlock.refine`)."""
+        self.telemetry.float64_decompositions += len(redone)
+        sides = "/".join(which.upper() for which in redone)
+        if self._once(f"float64 {name}"):
+            log.info(
+                "kaisa: layer %r: factor(s) %s decomposed in float64 at step %d: in float32 "
+                "the damped solve would be inaccurate (an ill-conditioned factor, damping %g)",
+                name,
+                sides,
+                self._steps,
+                damping,
+            )
+        left = max(redone.values())
+        if left > HELD_FACTOR_WARNING and self._once(f"factor dtype {name}"):
+            warn(
+                f"kaisa: layer {name!r}: factor(s) {sides} are so ill-conditioned at damping "
+                f"{damping:g} that, although kaisa decomposes them in float64, their running "
+                f"averages held in {str(self.factor_dtype).removeprefix('torch.')} "
+                f"(factor_dtype) may leave the preconditioned gradient up to about "
+                f"{left:.0%} off a float64 run. Pass factor_dtype=torch.float64 (and "
+                "inv_dtype=torch.float64) or a larger damping (reported once per layer)"
+            )
 
     def _precondition(self, hyper: StepHyper) -> None:
         pairs: list[tuple[_Layer, torch.Tensor, torch.Tensor]] = []

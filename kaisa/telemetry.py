@@ -70,6 +70,9 @@ class Telemetry:
         skipped_factor_updates: factor updates dropped because of NaN/Inf.
         outlier_factor_updates: layer factor updates refused as outlier batches.
         failed_decompositions: decompositions that failed (state kept).
+        float64_decompositions: float32 eigendecompositions redone in float64
+            because the damped solve would have been inaccurate
+            (:data:`kaisa.curvature.block.EIGEN_TOLERANCE`).
         kl_clipped_steps: steps at which KL clipping shrank the update (``ν < 1``).
         last_kl_scale: ``ν`` of the most recent step (1.0 without clipping).
         synchronize: wait for the accelerator at each phase boundary, so that
@@ -92,6 +95,7 @@ class Telemetry:
         self.skipped_factor_updates = 0
         self.outlier_factor_updates = 0
         self.failed_decompositions = 0
+        self.float64_decompositions = 0
         self.kl_clipped_steps = 0
         self.last_kl_scale = 1.0
 
@@ -150,6 +154,7 @@ class Telemetry:
             f"skipped_factor_updates={self.skipped_factor_updates}, "
             f"outlier_factor_updates={self.outlier_factor_updates}, "
             f"failed_decompositions={self.failed_decompositions}, "
+            f"float64_decompositions={self.float64_decompositions}, "
             f"kl_clipped_steps={self.kl_clipped_steps})"
         )
 
@@ -165,6 +170,7 @@ class Telemetry:
             "skipped_factor_updates": self.skipped_factor_updates,
             "outlier_factor_updates": self.outlier_factor_updates,
             "failed_decompositions": self.failed_decompositions,
+            "float64_decompositions": self.float64_decompositions,
             "kl_clipped_steps": self.kl_clipped_steps,
             "last_kl_scale": self.last_kl_scale,
         }

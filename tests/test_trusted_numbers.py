@@ -8,6 +8,12 @@
   dtype too.
 * Factor updates skipped several times in a row (not finite) are reported
   once, naming the likely cause (float16 products that overflow).
+* An ill-conditioned factor at small damping, whose float32
+  eigendecomposition made the solve far off a float64 run, is decomposed in
+  float64 (``telemetry.float64_decompositions``).
+
+(The measured error bound: ``tests/curvature/test_eigen_accuracy.py``; finite
+but wrong second-order state in a checkpoint: ``tests/test_checkpoints.py``.)
 """
 
 from __future__ import annotations
@@ -126,3 +132,24 @@ def test_an_occasional_skip_is_not_reported() -> None:
                 p.grad.nan_to_num_(0.0)  # type: ignore[union-attr]
             pre.step()
     assert pre.telemetry.skipped_factor_updates == 3
+
+
+# -- an ill-conditioned factor at small damping --------------------------------------------
+
+
+def test_an_ill_conditioned_factor_is_decomposed_in_float64() -> None:
+    """Inputs whose columns span four decades, damping 1e-7: float32 eigh was far off."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 8, bias=False))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 32, generator=gen, dtype=D) * torch.logspace(0, -4, 32, dtype=D)
+    y = torch.randint(0, 8, (256,), generator=gen)
+    options = {"damping": 1e-7}
+    reference, _ = preconditioned(model.double(), x, y, factor_dtype=D, inv_dtype=D, **options)
+    model.float()
+    # The bound also says that float32 factors could leave a large error (they
+    # do not here: graded factors round benignly); it is said once.
+    with pytest.warns(RuntimeWarning, match=r"factor\(s\) A/G .* factor_dtype=torch.float64"):
+        got, pre = preconditioned(model, x, y, **options)
+    assert pre.telemetry.float64_decompositions >= 1
+    assert error(got, reference) < 1e-2

@@ -339,6 +339,18 @@ class ExactSide(Side):
     def _state_powers(self) -> tuple[float, ...]:
         return (0.0, 1.0) if self.method == "eigen" else (0.0,)
 
+    def refresh_in_float64(self) -> None:
+        """:meth:`refresh` (eigen method) with the decomposition in float64, stored in
+        ``inv_dtype``: for a factor whose float32 decomposition would make the damped
+        solve inaccurate (:func:`~kaisa.curvature.linalg.eigen_error_bound`).
+
+        Raises :class:`DecompositionError` (state unchanged) on failure.
+        """
+        q, values = symmetric_eigen(self.factor, self.inv_dtype, at_least=torch.float64)
+        for old, value in zip(self.allocate(), (q, values), strict=True):
+            old.copy_(value)
+        self.invalidate()
+
     def _scale_source(self) -> torch.Tensor:
         if self.method == "eigen":
             return self.mean_eigenvalue()
