@@ -3,8 +3,10 @@
 :meth:`kaisa.KFACPreconditioner.load_state_dict` checks everything before it
 changes anything: a table of bad checkpoints (a wrong shape in a later layer,
 bad counters, missing keys, wrong types, NaN or Inf in factors and
-second-order tensors, wrong second-order tensor counts and shapes, malformed
-curvature choices and options, unknown format versions) must each raise with
+second-order tensors, wrong second-order tensor counts and shapes, finite
+but wrong second-order state such as negated eigenvalues or eigenvalue
+products and bases that are not orthonormal, malformed curvature choices and
+options, unknown format versions) must each raise with
 a message naming the problem and leave the preconditioner bit-identical, so
 that its next step equals that of a preconditioner that never saw the load.
 A checkpoint written with another compute method, damping mode or outer
@@ -503,6 +505,50 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], type[Exception], str]] = 
         ValueError,
         r"state_dict has format version 3; this kaisa reads versions 1 and 2",
     ),
+    # Finite but wrong second-order state (issue 30, item 5): it would precondition
+    # wrongly, even uphill, until the next inverse update.
+    (
+        "outer product negated",
+        set_key(("layers", "fc3", "outer_inverse"), lambda t: -t),
+        ValueError,
+        r"layer 'fc3': the eigenvalue outer product 'outer_inverse' has entries <= 0",
+    ),
+    (
+        "outer product of other eigenvalues",
+        set_key(("layers", "fc3", "outer_inverse"), lambda t: t.flip(0)),
+        ValueError,
+        r"layer 'fc3': the eigenvalue outer product 'outer_inverse' is not 1 ⊘ \(λ_G λ_Aᵀ \+ γ\)",
+    ),
+    (
+        "eigenvalues negated",
+        set_key(("layers", "fc3", "second_order", "g", 1), lambda t: -t),
+        ValueError,
+        r"layer 'fc3': second-order state of G: negative eigenvalues",
+    ),
+    (
+        "eigenbasis not orthonormal",
+        set_key(("layers", "fc1", "second_order", "g", 0), lambda t: 2 * t),
+        ValueError,
+        r"layer 'fc1': second-order state of G: the eigenbasis is not orthonormal",
+    ),
+    (
+        "low-rank basis not orthonormal",
+        set_key(("layers", "fc1", "second_order", "a", 0), lambda t: t + 0.5),
+        ValueError,
+        r"layer 'fc1': second-order state of A: the eigenbasis is not orthonormal",
+    ),
+    (
+        "low-rank sigma negative",
+        set_key(("layers", "fc1", "second_order", "a", 2), lambda t: -t - 1.0),
+        ValueError,
+        r"layer 'fc1': second-order state of A: negative sigma",
+    ),
+    (
+        "diagonal negative",
+        set_key(("layers", "fc2", "second_order", "g", 0), lambda t: -t - 1.0),
+        ValueError,
+        r"layer 'fc2': second-order state of G: negative diagonal entries",
+    ),
     (
         "format a string",
         set_key(("format",), "2"),
@@ -549,6 +595,41 @@ def test_a_bad_checkpoint_is_refused_and_changes_nothing(
     # Teeth: without the mutation the same checkpoint loads.
     pre.load_state_dict(good)
     assert pre.steps == 4
+
+
+@pytest.mark.parametrize(
+    ("options", "mutate", "message"),
+    [
+        (
+            {"compute_method": "inverse"},
+            set_key(("layers", "fc2", "second_order", "a", 0), lambda t: -t),
+            r"layer 'fc2': second-order state of A: the damped inverse has a diagonal entry <= 0",
+        ),
+        (
+            {"eigenvalue_correction": "adam"},
+            set_key(("layers", "fc2", "eigen_scales"), lambda t: t - 1.0),
+            r"layer 'fc2': negative eigenvalue-corrected scales",
+        ),
+    ],
+    ids=["inverse negated", "corrected scales negative"],
+)
+def test_finite_but_wrong_state_of_other_methods_is_refused(
+    options: dict[str, Any], mutate: Callable[[dict[str, Any]], None], message: str
+) -> None:
+    """As the table's rows, for the inverse method and the eigenvalue correction."""
+    settings = {**FIXED, "curvature": "exact", **options}
+    good = donor_state(settings)
+    bad = copy.deepcopy(good)
+    mutate(bad)
+    torch.manual_seed(0)
+    model = Net()
+    pre = kaisa.KFACPreconditioner(model, **settings)
+    run(model, pre, range(TRAINED))
+    before = everything(pre)
+    with pytest.raises(ValueError, match=message):
+        pre.load_state_dict(bad)
+    assert_unchanged(before, pre)
+    pre.load_state_dict(good)
 
 
 def test_not_a_dict_is_a_type_error() -> None:

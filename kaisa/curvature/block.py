@@ -759,6 +759,118 @@ def check_block_state(
             ),
             check_count(state["eigen_scale_updates"], f"{where}: 'eigen_scale_updates'"),
         )
+    _check_second_order_values(where, layout, loaded, outer, scales)
     if not second_order:
         loaded, outer, scales = None, None, None
     return CheckedBlockState(a, g, updates, outliers, has_second, loaded, outer, warm, scales)
+
+
+def _orthonormality_tolerance(dtype: torch.dtype) -> float:
+    """How far ``QᵀQ`` of a stored eigenbasis may be from ``I`` (entry-wise).
+
+    ``1e-3`` in float32 and float64 (an eigendecomposition in float32 of a
+    2048-wide factor is about 7e-6 off), ``16 eps`` in bfloat16 (0.125; a
+    bfloat16-stored basis is about 4e-3 off). A basis that is not one (a
+    corrupted or foreign tensor) is off by order 1.
+    """
+    return max(1e-3, 16 * torch.finfo(dtype).eps)
+
+
+def _check_second_order_values(
+    where: str,
+    layout: BlockLayout,
+    loaded: Mapping[Factor, Sequence[torch.Tensor]] | None,
+    outer: torch.Tensor | None,
+    scales: tuple[torch.Tensor, int] | None,
+) -> None:
+    """Check that finite second-order tensors are what their representation says they are.
+
+    A finite but wrong state (eigenvalues negated, a basis that is not
+    orthonormal, an eigenvalue outer product that is not ``1 ⊘ (λ_G λ_Aᵀ +
+    γ)`` of the saved eigenvalues for one ``γ ≥ 0``, negative diagonals or
+    scales, a damped inverse with a diagonal entry ``<= 0``) would
+    precondition wrongly, even uphill, until the next inverse update: refused
+    with a ``ValueError`` naming the layer, the side and the tensor. Computed
+    in float64; nothing is changed.
+    """
+    d = torch.float64
+    eigenvalues: dict[Factor, torch.Tensor] = {}
+    for which, spec in zip(_SIDES, layout.specs, strict=True):
+        tensors = None if loaded is None else loaded.get(which)
+        if tensors is None:
+            continue
+        side = f"{where}: second-order state of {which.upper()}"
+        values = [t.to(d) for t in tensors]
+        basis: torch.Tensor | None = None
+        nonnegative: list[tuple[str, torch.Tensor]] = []
+        if spec.kind == "exact" and layout.side_method == "eigen":
+            basis, eig = values
+            nonnegative.append(("eigenvalues", eig))
+            eigenvalues[which] = eig
+        elif spec.kind == "exact":
+            # (A damped inverse is positive definite; its diagonal is positive.
+            # Nothing finer: an ill-conditioned one stored in float32 need not
+            # pass a Cholesky test.)
+            diagonal = values[0].diagonal()
+            if float(diagonal.min()) <= 0.0:
+                raise ValueError(
+                    f"{side}: the damped inverse has a diagonal entry <= 0 (min "
+                    f"{float(diagonal.min()):.3g}); the inverse of a damped factor is "
+                    "positive definite"
+                )
+        elif spec.kind == "lowrank":
+            basis, eig, sigma = values
+            nonnegative += [("eigenvalues", eig), ("sigma", sigma)]
+        elif spec.kind == "diagonal":
+            nonnegative.append(("diagonal entries", values[0]))
+        for name, tensor in nonnegative:
+            if tensor.numel() and float(tensor.min()) < 0.0:
+                raise ValueError(
+                    f"{side}: negative {name} (min {float(tensor.min()):.3g}); the state "
+                    "of a factor (positive semi-definite) has none"
+                )
+        if basis is not None:
+            tolerance = _orthonormality_tolerance(tensors[0].dtype)
+            eye = torch.eye(basis.shape[1], dtype=d, device=basis.device)
+            error = float((basis.t() @ basis - eye).abs().max())
+            if error > tolerance:
+                raise ValueError(
+                    f"{side}: the eigenbasis is not orthonormal (QᵀQ is {error:.3g} off the "
+                    f"identity; tolerance {tolerance:g})"
+                )
+    if outer is not None and "a" in eigenvalues and "g" in eigenvalues:
+        _check_outer_inverse(where, outer, eigenvalues["g"], eigenvalues["a"])
+    if scales is not None and float(scales[0].min()) < 0.0:
+        raise ValueError(
+            f"{where}: negative eigenvalue-corrected scales (min "
+            f"{float(scales[0].min()):.3g}); a running average of squares has none"
+        )
+
+
+def _check_outer_inverse(
+    where: str, outer: torch.Tensor, g_values: torch.Tensor, a_values: torch.Tensor
+) -> None:
+    """``outer`` must be ``1 ⊘ (λ_G λ_Aᵀ / c + γ)`` with one ``γ ≥ 0``.
+
+    ``c`` is 1 (absolute damping) or the product of the eigenvalues' means
+    (relative damping); the checkpoint does not say which, so either is
+    accepted.
+    """
+    if float(outer.min()) <= 0.0:
+        raise ValueError(
+            f"{where}: the eigenvalue outer product 'outer_inverse' has entries <= 0 (min "
+            f"{float(outer.min()):.3g}); 1 ⊘ (λ_G λ_Aᵀ + γ) is positive"
+        )
+    d = torch.float64
+    denominator = outer.to(d).reciprocal()
+    products = torch.outer(g_values.to(d), a_values.to(d))
+    means = float(g_values.mean().clamp(min=1e-300) * a_values.mean().clamp(min=1e-300))
+    tolerance = 16 * torch.finfo(outer.dtype).eps * float(denominator.abs().max())
+    for scale in (1.0, means):
+        gamma = denominator - products / scale
+        if float(gamma.max() - gamma.min()) <= tolerance and float(gamma.min()) >= -tolerance:
+            return
+    raise ValueError(
+        f"{where}: the eigenvalue outer product 'outer_inverse' is not 1 ⊘ (λ_G λ_Aᵀ + γ) "
+        "of the saved eigenvalues for any damping γ >= 0"
+    )
