@@ -36,7 +36,7 @@ per rank, as max and mean over the ranks:
 The ✓/✗ column says whether every rank's counts at every step, and its memory,
 equal exactly what ``kaisa.distributed.cost`` (``rank_traffic``,
 ``rank_memory``) predicts for the plan the preconditioner used; 'layer_flags'
-must be the number of layers at every step (two more at factor-update steps)
+must be the number of layers at every step (three more at factor-update steps)
 and 'factor_rows' twice the layers at every factor-update step. The 'sim' column says whether the
 measured max values equal the row of ``results/distributed_cost.json`` (the
 simulated sizes; ``--simulated``) for the same model, world size and
@@ -275,7 +275,7 @@ def _analyse(
                 if s["kind"] == "inverse"
                 else 0,
                 "grad_broadcast": predicted_event["grad_broadcast"],
-                "layer_flags": predicted_event["layer_flags"] + (2 if s["kind"] != "plain" else 0),
+                "layer_flags": predicted_event["layer_flags"] + (3 if s["kind"] != "plain" else 0),
                 "factor_rows": predicted_event["factor_rows"] if s["kind"] != "plain" else 0,
             }
             wrong = {k: (s["elements"][k], v) for k, v in expected.items() if s["elements"][k] != v}

@@ -32,7 +32,17 @@ from typing import Any
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-__all__ = ["Structure", "WeakCall", "claim", "detach_when_collected", "holders", "release"]
+__all__ = [
+    "Structure",
+    "WeakCall",
+    "attach",
+    "claim",
+    "detach_when_collected",
+    "holders",
+    "release",
+    "replaced",
+    "taken_over",
+]
 
 
 class WeakCall:
@@ -54,6 +64,47 @@ class WeakCall:
         if owner is None:
             return None
         return getattr(owner, self._method)(*self._bound, *args, **kwargs)
+
+
+def attach(owner: Any, model: nn.Module, handlers: Sequence[Any], capturer: Any) -> list[Any]:
+    """The hooks of a preconditioner, none of which keeps it alive.
+
+    Every registered layer's handler calls ``capturer.capture_at(index, …)``
+    and the model calls ``owner._root_forward`` before and
+    ``owner._root_forward_done`` after (or on an exception in) each forward.
+    All hold their targets weakly and are removed when ``owner`` is collected.
+    """
+    handles = [
+        handler.attach(WeakCall(capturer, "capture_at", index))
+        for index, handler in enumerate(handlers)
+    ]
+    handles.append(model.register_forward_pre_hook(WeakCall(owner, "_root_forward")))
+    handles.append(
+        model.register_forward_hook(WeakCall(owner, "_root_forward_done"), always_call=True)
+    )
+    detach_when_collected(owner, handles)
+    return handles
+
+
+def taken_over(shared: Sequence[str], old: str) -> str:
+    """The warning when a new preconditioner takes over layers ``old`` still held."""
+    names = ", ".join(repr(name) for name in shared[:3]) + (", …" if len(shared) > 3 else "")
+    return (
+        f"kaisa: layers {names} are already preconditioned by KFACPreconditioner {old}, "
+        "which was not detached with remove_hooks() (a notebook cell run again?): the new "
+        "preconditioner takes over; the old one's hooks are removed and its step() raises, "
+        "so no gradient is preconditioned twice. Call remove_hooks() on a preconditioner "
+        "before building its replacement"
+    )
+
+
+def replaced(by: str) -> str:
+    """The error of ``step()`` on a preconditioner that another took over (``by``: which)."""
+    return (
+        f"kaisa: this KFACPreconditioner was replaced by a newer KFACPreconditioner ({by}) "
+        "built on the same layers: it no longer preconditions. Call step() on the new one "
+        "(and remove_hooks() on a preconditioner before building its replacement)"
+    )
 
 
 def _remove_all(handles: list[Any]) -> None:

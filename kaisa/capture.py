@@ -238,6 +238,12 @@ class Capturer:
         if self.enabled and inferring_pipeline_shapes():
             self.ignored_passes.add(self.root_passes)
 
+    def capture_at(
+        self, index: int, x: torch.Tensor, output: torch.Tensor, select: GradSelect
+    ) -> None:
+        """:meth:`capture` for the ``index``-th layer (what the layer hooks call)."""
+        self.capture(self.layers[index], x, output, select)
+
     def capture(
         self, layer: LayerCaptures, x: torch.Tensor, output: torch.Tensor, select: GradSelect
     ) -> None:

@@ -16,34 +16,22 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from kaisa.attachment import (
-    Structure,
-    WeakCall,
-    claim,
-    detach_when_collected,
-    holders,
-    release,
-)
-from kaisa.autochoice import AutoChoice, FixedSides
-from kaisa.capture import Capturer, LayerCaptures
-from kaisa.checkpoint import CheckpointTarget, LayerSlot, read_state, write_state
+from kaisa.attachment import attach, claim, holders, release, replaced, taken_over
+from kaisa.autochoice import AutoChoice
+from kaisa.capture import Capturer
+from kaisa.checkpoint import CheckpointTarget, read_state, write_state
 from kaisa.curvature.block import (
-    HELD_FACTOR_WARNING,
-    OUTLIER_PATIENCE,
-    OUTLIER_RATIO,
     Factor,
-    KroneckerBlock,
 )
 from kaisa.curvature.budget import BudgetChoice
 from kaisa.curvature.costs import DEFAULT_COST_MODEL, CostModel
-from kaisa.curvature.fold import SKIPPED_IN_A_ROW, fold_batch
+from kaisa.curvature.fold import fold_batch
 from kaisa.curvature.grafting import graft
 from kaisa.curvature.linalg import kl_clip_scale
 from kaisa.distributed.agreement import agreement_digest, check_agreement
@@ -58,12 +46,14 @@ from kaisa.distributed.plan import LayerShape, WorkPlan, make_plan
 from kaisa.engines import select_engine
 from kaisa.engines.base import LossScale
 from kaisa.layers import LayerHandler
-from kaisa.layers.base import Detachable, GradSelect
-from kaisa.layers.registry import Coverage, coverage_of, survey
+from kaisa.layers.base import Detachable
+from kaisa.layers.registry import Coverage, survey
 from kaisa.options import REFERENCE_DEFAULTS, KFACOptions, StepHyper
+from kaisa.roster import Layer, Roster
 from kaisa.telemetry import Telemetry
-from kaisa.views import BlockView, RegisteredLayer
+from kaisa.views import RegisteredLayer
 from kaisa.warn import warn
+from kaisa.watch import Watch
 
 __all__ = ["KFACPreconditioner", "RegisteredLayer"]
 
@@ -80,51 +70,6 @@ _NO_GRADIENT_CAUSES = (
     "hides .grad; or step() called after optimizer.zero_grad() (call it between backward and "
     "the optimizer's step); reported once"
 )
-
-
-@dataclass
-class _Layer:
-    """One registered layer: its handler, its curvature block and this iteration's captures."""
-
-    name: str
-    handler: LayerHandler
-    block: KroneckerBlock
-    captures: LayerCaptures
-    #: Captured nothing on the last factor-update step (on any rank): its
-    #: factors and second-order state are kept, not folded or refreshed, and
-    #: its gradient is left raw until it captures again.
-    dormant: bool = False
-    #: This rank preconditions the layer's gradient (KAISA's plan; set with the plan).
-    grad_worker: bool = True
-
-    @property
-    def specs(self) -> tuple[str, str]:
-        return str(self.block.specs[0]), str(self.block.specs[1])
-
-    def slot(self, fixed: FixedSides) -> LayerSlot:
-        handler = self.handler
-        return LayerSlot(
-            self.name, handler.a_size, handler.g_size, handler.weight.device, self.specs, fixed
-        )
-
-    def view(self) -> RegisteredLayer:
-        handler = self.handler
-        return RegisteredLayer(
-            name=self.name,
-            module=handler.module,
-            kind=handler.kind,
-            a_size=handler.a_size,
-            g_size=handler.g_size,
-            curvature=self.specs,
-            grad_worker=self.grad_worker,
-            dormant=self.dormant,
-            handler=handler,
-            block=BlockView(self.block),
-            capture_keys=self.captures.keys,
-            micro_batches=self.captures.micro_batches,
-            pending_passes=self.captures.pending,
-            captured_rows=dict(self.captures.rows),
-        )
 
 
 class KFACPreconditioner:
@@ -263,16 +208,15 @@ class KFACPreconditioner:
             ),
             self.process_group,
         )
-        self._layers: list[_Layer] = []
-        for name, handler in found:
-            block = self._make_block(name, handler, provisional[name])
-            keys = self._auto.keys(name, block.specs)
-            layer = _Layer(name, handler, block, LayerCaptures(name, handler, keys))
-            # Decided here and with every new plan, read everywhere else.
-            layer.grad_worker = self.plan.is_grad_worker(name, self.rank)
-            if layer.grad_worker:
-                block.allocate_second_order()
-            self._layers.append(layer)
+        self._roster = Roster(
+            found,
+            provisional,
+            self._auto.keys,
+            options=options,
+            factor_dtype=self.factor_dtype,
+            inv_dtype=self.inv_dtype,
+        )
+        self._roster.place(self.plan, self.rank)
         self.comm = Communicator(
             self.plan,
             self.rank,
@@ -287,7 +231,7 @@ class KFACPreconditioner:
         #: The loss scale the captures and gradients carry (AMP, a DeepSpeed engine's).
         self.loss_scale = LossScale(options.grad_scaler)
         self._capturer = Capturer(
-            [layer.captures for layer in self._layers],
+            self._roster.captures,
             self.comm,
             self.telemetry,
             accumulation_steps=options.accumulation_steps,
@@ -296,35 +240,26 @@ class KFACPreconditioner:
             device_type=self.device.type,
             grad_scale=self.loss_scale.reader(),
         )
-        # Nothing below can fail: a preconditioner already on these layers (not
-        # detached with remove_hooks()) hands them over to this one.
-        modules = [layer.handler.module for layer in self._layers]
+        # Nothing below can fail; one still on these layers hands them over to this one.
+        modules = [layer.handler.module for layer in self._roster]
         for previous in holders(modules, exclude=self):
             previous._hand_over(self)
         # The model's hooks hold the preconditioner weakly; when it is collected
         # without remove_hooks(), its finalizer removes them.
-        self._handles: list[Detachable] = [
-            layer.handler.attach(WeakCall(self, "_capture", index))
-            for index, layer in enumerate(self._layers)
-        ]
-        self._handles.append(model.register_forward_pre_hook(WeakCall(self, "_root_forward")))
-        self._handles.append(
-            model.register_forward_hook(WeakCall(self, "_root_forward_done"), always_call=True)
+        self._handles: list[Detachable] = attach(
+            self, model, list(self._roster.handlers.values()), self._capturer
         )
-        detach_when_collected(self, self._handles)
         claim(modules, self)
         #: The newer preconditioner that took these layers over (see _hand_over).
         self._replaced_by: str | None = None
-        self._structure = Structure(model, modules)
-        self._reported: set[str] = set()  # what was warned about once (see _once)
+        self._watch = Watch(model, modules)  # once-only reports; the loop's checks
         self._steps = 0
-        self._skipped_in_a_row = 0  # factor updates skipped (not finite) since the last fold
         self._peak_capture_bytes = 0
         self._capturer.enabled = self._is_factor_step()
         self._force_inverse_update = False
         log.info(
             "kaisa: %d layer(s) registered on rank %d of %d (%d gradient worker(s) per layer)",
-            len(self._layers),
+            len(self._roster),
             self.rank,
             self.world_size,
             self.plan.grad_workers,
@@ -334,10 +269,9 @@ class KFACPreconditioner:
     def with_reference_defaults(cls, model: nn.Module, **kwargs: Any) -> KFACPreconditioner:
         """A preconditioner with the published KAISA implementation's defaults.
 
-        Exact curvature, factors and inverses every step, damping 0.001
-        (absolute), decay 0.95, KL clip 0.001, factors starting as the
-        identity (:data:`kaisa.options.REFERENCE_DEFAULTS`); any argument
-        given here wins, with the same names and meanings as the reference.
+        :data:`kaisa.options.REFERENCE_DEFAULTS` (exact curvature, factors and
+        inverses every step, absolute damping 0.001, decay 0.95, KL clip 0.001,
+        identity start); any argument given here wins.
         """
         return cls(model, **{**REFERENCE_DEFAULTS, **kwargs})
 
@@ -353,52 +287,22 @@ class KFACPreconditioner:
             self.options.colocate_factors,
         )
 
-    def _make_block(
-        self, name: str, handler: LayerHandler, specs: tuple[str, str]
-    ) -> KroneckerBlock:
-        o = self.options
-        return KroneckerBlock(
-            name,
-            handler.a_size,
-            handler.g_size,
-            device=handler.weight.device,
-            factor_dtype=self.factor_dtype,
-            inv_dtype=self.inv_dtype,
-            method=o.compute_method,
-            eigen_outer_product=o.compute_eigenvalue_outer_product,
-            damping_mode=o.damping_mode,
-            factor_init=o.factor_init,
-            a_spec=specs[0],
-            g_spec=specs[1],
-            correction=o.eigenvalue_correction,
-            correction_decay=o.eigenvalue_decay,
-        )
-
     def _layout(self) -> dict[str, tuple[tuple[PayloadKey, int], ...]]:
-        keys = {layer.name: layer.captures.keys for layer in self._layers}
-        return payload_layout(keys, self.plan)
+        return payload_layout(self._roster.keys(), self.plan)
 
     def _apply_choice(self, choice: BudgetChoice) -> None:
         """Install a choice: blocks, plan, factor layout and intervals (between steps)."""
         self._auto.install(choice, self._steps)
-        for layer in self._layers:
-            specs = choice.specs[layer.name]
-            if tuple(str(spec) for spec in layer.block.specs) != specs:
-                layer.block = self._make_block(layer.name, layer.handler, specs)
-            layer.captures.keys = self._auto.keys(layer.name, layer.block.specs)
-        self.plan = self._make_plan({la.name: la.handler for la in self._layers}, choice.specs)
+        self._roster.install(choice.specs, self._auto.keys)
+        self.plan = self._make_plan(self._roster.handlers, choice.specs)
         self.comm.set_layout(self._layout(), self.plan)
-        for layer in self._layers:
-            layer.grad_worker = self.plan.is_grad_worker(layer.name, self.rank)
-            if layer.grad_worker and not layer.dormant:
-                layer.block.allocate_second_order()
+        self._roster.place(self.plan, self.rank)
         self._capturer.enabled = self._is_factor_step()
 
     def _reopen_choice(self) -> None:
         """The clock calibration is due: capture everything once more and choose again."""
         self._auto.reopen()
-        for layer in self._layers:
-            layer.captures.keys = self._auto.keys(layer.name, layer.block.specs)
+        self._roster.rekey(self._auto.keys)
         self.comm.set_layout(self._layout(), self.plan)
         self._capturer.enabled = True
 
@@ -432,23 +336,17 @@ class KFACPreconditioner:
 
         For a batch skipped after its forward or backward pass (a NaN loss, an
         exception, ``optimizer.zero_grad()`` with no ``step()``): call it
-        instead of ``step()``, and the batch leaves no trace in the factors.
-        Factors, second-order state and the step count are unchanged. Without
-        it, a training forward that begins after ``accumulation_steps``
-        passes had their backward pass and no ``step()`` discards them too,
-        with a warning (once); fewer passes are taken as gradient accumulation
-        going on, and folded at the next ``step()``. With several ranks call
-        it on every rank alike (on a factor-update step it completes the
-        factor all-reduce already launched and checks that every rank
-        discards: a rank that discards while another steps raises
-        ``RankDisagreementError`` on both).
+        instead of ``step()``, and the batch leaves no trace in the factors;
+        factors, second-order state and the step count are unchanged. With
+        several ranks call it on every rank alike. When it is not called, and
+        on several ranks: :mod:`kaisa.capture`.
         """
         self._capturer.discard()
 
     @property
     def layers(self) -> tuple[RegisteredLayer, ...]:
         """The registered layers, in registration order (a read-only snapshot)."""
-        return tuple(layer.view() for layer in self._layers)
+        return tuple(layer.view() for layer in self._roster)
 
     # -- hyperparameters at the current step ---------------------------------------
     @property
@@ -467,23 +365,11 @@ class KFACPreconditioner:
         value = getattr(self.hyperparameters(), name)
         return None if value is None else float(value)
 
-    def _once(self, what: str) -> bool:
-        """True the first time ``what`` is to be reported, then never again."""
-        first = what not in self._reported
-        self._reported.add(what)
-        return first
-
     def _is_factor_step(self) -> bool:
         interval = self.options.factor_interval(self._steps, self._auto.intervals)
         return self._steps % interval == 0
 
     # -- hooks -----------------------------------------------------------------------
-    def _capture(
-        self, index: int, x: torch.Tensor, output: torch.Tensor, select: GradSelect
-    ) -> None:
-        """A call of registered layer ``index`` (the layer hooks hold this weakly)."""
-        self._capturer.capture(self._layers[index].captures, x, output, select)
-
     def _root_forward(self, module: nn.Module, args: object) -> None:
         """A forward pass of the whole model (while training with autograd on) begins."""
         # (A deep copy of the model carries the hook along: its forward is not ours.)
@@ -511,40 +397,19 @@ class KFACPreconditioner:
         (:mod:`kaisa.capture`).
         """
         if self._replaced_by is not None:
-            raise RuntimeError(
-                f"kaisa: this KFACPreconditioner was replaced by a newer KFACPreconditioner "
-                f"({self._replaced_by}) built on the same layers: it no longer preconditions. "
-                "Call step() on the new one (and remove_hooks() on a preconditioner before "
-                "building its replacement)"
-            )
+            raise RuntimeError(replaced(self._replaced_by))
         if not self._grads.at_boundary():
             return  # a DeepSpeed micro-step inside an accumulation cycle
         # Every schedule is read (and checked) before anything changes: a bad
         # value raises here, leaving captures, factors and the step count as
         # they were.
         hyper = self.hyperparameters()
-        changes = self._structure.changes(thorough=self._capturer.enabled)
-        if changes:
-            warn(
-                "kaisa: the model changed after the preconditioner was built: "
-                + "; ".join(changes)
-                + ". kaisa keeps preconditioning the layers it registered that still run; "
-                "build a new preconditioner for the new model (call remove_hooks() on this "
-                "one first). Each change is reported once",
-                UserWarning,
-            )
-        captures = [layer.captures for layer in self._layers]
-        if self.loss_scale.still_scaled() and self._once("scaled"):
-            warn(
-                "kaisa: the grad_scaler has unscaled no optimizer's gradients this iteration: "
-                "call scaler.unscale_(optimizer) before preconditioner.step() (KL clipping on "
-                "gradients still multiplied by the loss scale shrinks every step to nearly "
-                "nothing); reported once"
-            )
+        self._watch.before_step(self.loss_scale, thorough=self._capturer.enabled)
+        captures = self._roster.captures
         held = sum(c.capture_bytes() for c in captures)
         self._peak_capture_bytes = max(self._peak_capture_bytes, held)
         self._auto.pass_ended()
-        self._check_eval_mode()
+        self._watch.evaluation_mode(self._roster, began=self._capturer.began)
         try:
             if self._capturer.enabled:
                 if self.model.training:
@@ -576,8 +441,15 @@ class KFACPreconditioner:
 
         Returns the hyperparameters in force after it (a choice sets intervals).
         """
-        captures = [layer.captures for layer in self._layers]
-        self._check_idle(payloads)
+        captures = self._roster.captures
+        self._force_inverse_update |= self._roster.check_idle(
+            payloads,
+            began=self._capturer.began,
+            step=self._steps,
+            once=self._watch.once,
+            removed=self._watch.structure.removed,
+            quiet_eval=self._watch.evaluation_reported,
+        )
         if not payloads:
             return hyper
         if self._auto.pending and any(
@@ -585,7 +457,7 @@ class KFACPreconditioner:
         ):
             calibrating = self._auto.calibrating
             choice = self._auto.choose(
-                [(layer.name, layer.handler) for layer in self._layers],
+                [(layer.name, layer.handler) for layer in self._roster],
                 {c.name: c.keys for c in captures},
                 payloads,
                 self._steps,
@@ -599,159 +471,19 @@ class KFACPreconditioner:
             hyper = self.hyperparameters()
         # Each block folds the captures its representations hold; the gradients
         # (each parameter once, read through the engine) must be finite too.
-        params = {id(p): p for layer in self._layers for p in layer.handler.parameters()}
-        grads = [g for g in (self._grads.read(p) for p in params.values()) if g is not None]
-        blocks = {layer.name: layer.block for layer in self._layers}
+        read = (self._grads.read(p) for p in self._roster.parameters())
+        grads = [g for g in read if g is not None]
+        blocks = {layer.name: layer.block for layer in self._roster}
         outcome = fold_batch(blocks, payloads, grads, hyper.factor_decay)
         self.telemetry.skipped_factor_updates += int(outcome.skipped)
-        self._skipped_in_a_row = self._skipped_in_a_row + 1 if outcome.skipped else 0
-        if self._skipped_in_a_row >= SKIPPED_IN_A_ROW and self._once("skipped in a row"):
-            self._warn_skipped(payloads)
         self.telemetry.outlier_factor_updates += len(outcome.outliers)
-        for name in outcome.outliers:
-            if self._once(f"outlier {name}"):
-                warn(
-                    f"kaisa: layer {name!r}: a batch factor over {OUTLIER_RATIO:g}x its "
-                    "running average (an outlier batch) was not folded; kaisa takes such a "
-                    f"scale in after {OUTLIER_PATIENCE} in a row (reported once per layer)"
-                )
+        self._watch.folded(outcome, payloads, self.product_dtype)
         return hyper
-
-    def _warn_skipped(self, payloads: Mapping[str, Mapping[PayloadKey, tuple[Any, float]]]) -> None:
-        """Factor updates skipped :data:`SKIPPED_IN_A_ROW` times in a row: say why, once."""
-        overflowed = [
-            name
-            for name, payload in payloads.items()
-            if not all(bool(torch.isfinite(t).all()) for t, _ in payload.values())
-        ]
-        if overflowed and self.product_dtype == torch.float16:
-            cause = (
-                f"the factor products overflow float16 (factor_product_dtype=torch.float16; "
-                f"largest value 65504, e.g. layer {overflowed[0]!r}): activations or output "
-                "gradients around 100 already overflow their sums of squares. Use "
-                "factor_product_dtype=torch.bfloat16 (float32's range) or torch.float32"
-            )
-        elif overflowed:
-            cause = (
-                f"the captured inputs or output gradients hold NaN or Inf (e.g. layer "
-                f"{overflowed[0]!r}): a diverging loss, or AMP overflow (pass grad_scaler= so "
-                "that kaisa unscales the output gradients)"
-            )
-        else:
-            cause = (
-                "the gradients hold NaN or Inf: a diverging loss, or AMP without "
-                "scaler.unscale_(optimizer) before preconditioner.step() (the GradScaler then "
-                "skips those optimizer steps)"
-            )
-        warn(
-            f"kaisa: {self._skipped_in_a_row} factor updates in a row were skipped because "
-            f"something was not finite, so no curvature is being gathered; likely cause: "
-            f"{cause} (telemetry.skipped_factor_updates counts them; reported once)"
-        )
-
-    def _check_idle(self, payloads: Mapping[str, Mapping[PayloadKey, tuple[Any, float]]]) -> None:
-        """Layers that captured nothing this factor-update step (rows are equal on every rank).
-
-        Such a layer (it did not run, was frozen, saw a 0-row batch, a block
-        LayerDrop skipped, a second ``step()`` after one backward pass) keeps
-        its factors and second-order state: it is *dormant*, neither folded
-        nor decomposed, and its gradient is left raw until it captures again.
-        One whose parameters have a gradient though it was not called in an
-        iteration that ran forward (its weight used outside the module call
-        kaisa hooks) is reported once.
-        """
-        began = self._capturer.began
-        for layer in self._layers:
-            payload = payloads.get(layer.name)
-            captured = payload is not None and all(rows > 0 for _, rows in payload.values())
-            if captured:
-                if layer.dormant:
-                    layer.dormant = False
-                    if layer.grad_worker:
-                        layer.block.allocate_second_order()
-                    # Second-order state that no factor update has reached yet (a
-                    # layer idle from the start, or re-made by the automatic choice
-                    # while idle) is recomputed now; kept state waits for its turn.
-                    self._force_inverse_update |= layer.block.updates == 0
-                continue
-            if not layer.dormant:
-                layer.dormant = True
-                if self._once(f"idle {layer.name}"):
-                    log.info(
-                        "kaisa: layer %r captured nothing on factor-update step %d: its "
-                        "factors and second-order state are kept, its gradient left raw "
-                        "until it captures again",
-                        layer.name,
-                        self._steps,
-                    )
-            if (
-                not began
-                or layer.captures.called
-                or id(layer.handler.module) in self._structure.removed  # (reported)
-                or not self._has_gradient(layer)
-            ):
-                continue
-            if not layer.handler.module.training:
-                # (When every registered layer evaluates, step() has said so already.)
-                if "eval mode" not in self._reported and self._once(f"eval {layer.name}"):
-                    warn(
-                        f"kaisa: layer {layer.name!r} is in evaluation mode while the model "
-                        "runs a training forward: kaisa captures nothing from it and leaves "
-                        "its gradient raw; call .train() on it to precondition it (reported "
-                        "once per layer)"
-                    )
-            elif self._once(f"outside {layer.name}"):
-                warn(
-                    f"kaisa: layer {layer.name!r} captured nothing on factor-update step "
-                    f"{self._steps} in training mode, yet its parameters have a gradient: "
-                    "its weight was used outside the module call kaisa hooks (e.g. "
-                    "F.linear(x, layer.weight)); its gradient is left raw until it captures "
-                    "(its factors are kept; reported once)"
-                )
-
-    def _check_eval_mode(self) -> None:
-        """``step()`` in an iteration with no training forward: is the model evaluating?
-
-        With the model (or every registered layer) in evaluation mode kaisa
-        captures nothing, so gradients that exist were computed in evaluation
-        mode and are left raw (with several ranks, preconditioned with the
-        other ranks' curvature). Warned about once; ``step()`` with no
-        gradient (after ``zero_grad()``) or in training mode says nothing here.
-        """
-        if "eval mode" in self._reported:
-            return
-        evaluating = (not self._capturer.began and not self.model.training) or not any(
-            layer.handler.module.training for layer in self._layers
-        )
-        if not evaluating or not any(self._has_gradient(layer) for layer in self._layers):
-            return
-        self._once("eval mode")
-        warn(
-            "kaisa: step() found gradients on the registered layers, but they were computed "
-            "with the model in evaluation mode (model.eval()): kaisa captures curvature in "
-            "training mode only, so none was captured (in one process the gradients are left "
-            "raw; with several ranks they take the other ranks' curvature). Call model.train() "
-            "before the training forward pass (reported once)"
-        )
-
-    @staticmethod
-    def _has_gradient(layer: _Layer) -> bool:
-        """Whether a parameter of the layer has a non-zero local ``.grad`` on this rank.
-
-        Read from ``.grad`` itself, not through the engine: a staged engine's
-        first read gathers on every rank, and only some ranks may ask. (Under
-        ZeRO or FSDP2 ``.grad`` is not a plain tensor: nothing is reported.)
-        """
-        for p in layer.handler.parameters():
-            grad = p.grad
-            if type(grad) is torch.Tensor and bool(grad.any()):
-                return True
-        return False
 
     def _update_second_order(self, damping: float) -> None:
         rank = self.rank
         with self.telemetry.timer("decomposition"):
-            for layer in self._layers:
+            for layer in self._roster:
                 if layer.dormant:
                     continue
                 assignment = self.plan.layer(layer.name)
@@ -766,8 +498,9 @@ class KFACPreconditioner:
                 # Too coarse in float32 for this damping: redone in float64.
                 redone = layer.block.refine(done, damping) if done else {}
                 if redone:
-                    self._refined(layer.name, redone, damping)
-        working = [layer for layer in self._layers if layer.grad_worker and not layer.dormant]
+                    self.telemetry.float64_decompositions += len(redone)
+                    self._watch.refined(layer.name, redone, damping, self._steps, self.factor_dtype)
+        working = [layer for layer in self._roster if layer.grad_worker and not layer.dormant]
         self.comm.broadcast_decompositions(
             {
                 layer.name: (layer.block.state_tensors("a"), layer.block.state_tensors("g"))
@@ -778,39 +511,15 @@ class KFACPreconditioner:
             for layer in working:
                 layer.block.finish_update(damping)
 
-    def _refined(self, name: str, redone: Mapping[Factor, float], damping: float) -> None:
-        """Sides of a layer decomposed again in float64 (:meth:`KroneckerBlock.refine`)."""
-        self.telemetry.float64_decompositions += len(redone)
-        sides = "/".join(which.upper() for which in redone)
-        if self._once(f"float64 {name}"):
-            log.info(
-                "kaisa: layer %r: factor(s) %s decomposed in float64 at step %d: in float32 "
-                "the damped solve would be inaccurate (an ill-conditioned factor, damping %g)",
-                name,
-                sides,
-                self._steps,
-                damping,
-            )
-        left = max(redone.values())
-        if left > HELD_FACTOR_WARNING and self._once(f"factor dtype {name}"):
-            warn(
-                f"kaisa: layer {name!r}: factor(s) {sides} are so ill-conditioned at damping "
-                f"{damping:g} that, although kaisa decomposes them in float64, their running "
-                f"averages held in {str(self.factor_dtype).removeprefix('torch.')} "
-                f"(factor_dtype) may leave the preconditioned gradient up to about "
-                f"{left:.0%} off a float64 run. Pass factor_dtype=torch.float64 (and "
-                "inv_dtype=torch.float64) or a larger damping (reported once per layer)"
-            )
-
     def _precondition(self, hyper: StepHyper) -> None:
-        pairs: list[tuple[_Layer, torch.Tensor, torch.Tensor]] = []
+        pairs: list[tuple[Layer, torch.Tensor, torch.Tensor]] = []
         sends: list[tuple[str, torch.Tensor]] = []
         # A layer not called this step keeps its raw gradient. With several ranks
         # a data-dependent branch may call it on some ranks only; the ranks agree
         # (called anywhere) so that broadcasts pair up and weights stay identical.
-        called = self.comm.any_rank([layer.captures.called for layer in self._layers])
+        called = self.comm.any_rank([layer.captures.called for layer in self._roster])
         with self.telemetry.timer("precondition"):
-            for layer, was_called in zip(self._layers, called, strict=True):
+            for layer, was_called in zip(self._roster, called, strict=True):
                 if not was_called or layer.dormant:
                     continue
                 grad = layer.handler.grad_matrix()
@@ -824,9 +533,9 @@ class KFACPreconditioner:
                 sends.append((layer.name, preconditioned))
         if not pairs:
             ran = [
-                la.name for la, c in zip(self._layers, called, strict=True) if c and not la.dormant
+                la.name for la, c in zip(self._roster, called, strict=True) if c and not la.dormant
             ]
-            if ran and self._once("no gradients"):
+            if ran and self._watch.once("no gradients"):
                 warn(
                     f"kaisa: step() found no gradient on any registered layer, though "
                     f"{len(ran)} ran this step (e.g. {ran[0]!r}): nothing was preconditioned. "
@@ -863,10 +572,7 @@ class KFACPreconditioner:
         why (no handler, a normalisation layer, ``skip_layers``, shared by
         two modules, a frozen partner, or a layer that captured nothing).
         """
-        return coverage_of(
-            self._treatments,
-            {layer.name: (layer.dormant, "/".join(layer.specs)) for layer in self._layers},
-        )
+        return self._roster.coverage(self._treatments)
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes held on this rank, by category.
@@ -878,11 +584,7 @@ class KFACPreconditioner:
         ``step()``), ``captures_peak`` (the most captures held when a ``step()``
         began) and ``total`` (factors + second-order + captures).
         """
-        usage = {
-            "factors": sum(layer.block.factor_bytes() for layer in self._layers),
-            "second_order": sum(layer.block.second_order_bytes() for layer in self._layers),
-            "captures": sum(layer.captures.capture_bytes() for layer in self._layers),
-        }
+        usage = self._roster.memory()
         usage["total"] = sum(usage.values())
         usage["captures_peak"] = self._peak_capture_bytes
         return usage
@@ -895,7 +597,7 @@ class KFACPreconditioner:
             grad_workers=self.plan.grad_workers,
             options=self.options,
             choice=self._auto.choice,
-            blocks={layer.name: layer.block.state_dict() for layer in self._layers},
+            blocks={layer.name: layer.block.state_dict() for layer in self._roster},
         )
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -907,14 +609,12 @@ class KFACPreconditioner:
         placement is converted (:mod:`kaisa.checkpoint` says how).
         """
         target = CheckpointTarget(
-            layers=[layer.slot(self._auto.fixed[layer.name]) for layer in self._layers],
+            layers=[layer.slot(self._auto.fixed[layer.name]) for layer in self._roster],
             options=self.options,
             pending=self._auto.pending,
             choice=self._auto.choice,
             plan=self.plan,
-            make_plan=functools.partial(
-                self._make_plan, {la.name: la.handler for la in self._layers}
-            ),
+            make_plan=functools.partial(self._make_plan, self._roster.handlers),
             rank=self.rank,
             world_size=self.world_size,
             factor_dtype=self.factor_dtype,
@@ -931,7 +631,7 @@ class KFACPreconditioner:
         # Nothing below can fail: every value was checked above.
         if restore.choice is not None:
             self._apply_choice(restore.choice)
-        for layer in self._layers:
+        for layer in self._roster:
             layer.block.load_checked(
                 restore.blocks[layer.name], second_order=layer.name in restore.second_order
             )
@@ -952,7 +652,7 @@ class KFACPreconditioner:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        release([layer.handler.module for layer in self._layers], self)
+        release([layer.handler.module for layer in self._roster], self)
 
     def _hand_over(self, successor: KFACPreconditioner) -> None:
         """A newer preconditioner was built on layers this one holds: it takes over.
@@ -960,24 +660,15 @@ class KFACPreconditioner:
         This one's hooks are removed (no gradient is preconditioned twice) and
         its ``step()`` raises from now on.
         """
-        theirs = {id(layer.handler.module) for layer in successor._layers}
-        shared = [la.name for la in self._layers if id(la.handler.module) in theirs]
+        theirs = {id(layer.handler.module) for layer in successor._roster}
+        shared = [la.name for la in self._roster if id(la.handler.module) in theirs]
         self.remove_hooks()
         self._replaced_by = f"at 0x{id(successor):x}"
-        warn(
-            f"kaisa: layers {', '.join(repr(name) for name in shared[:3])}"
-            f"{', …' if len(shared) > 3 else ''} are already preconditioned by "
-            f"KFACPreconditioner at 0x{id(self):x} ({len(self._layers)} layers), which was "
-            "not detached with remove_hooks() (a notebook cell run again?): the new "
-            "preconditioner takes over; the old one's hooks are removed and its step() "
-            "raises, so no gradient is preconditioned twice. Call remove_hooks() on a "
-            "preconditioner before building its replacement",
-            UserWarning,
-        )
+        warn(taken_over(shared, f"at 0x{id(self):x} ({len(self._roster)} layers)"), UserWarning)
 
     def __repr__(self) -> str:
         hyper = self.options.describe_hyper(self.hyperparameters())
         return (
-            f"KFACPreconditioner({len(self._layers)} layers, world_size={self.world_size}, "
+            f"KFACPreconditioner({len(self._roster)} layers, world_size={self.world_size}, "
             f"grad_workers={self.plan.grad_workers}, {hyper})"
         )

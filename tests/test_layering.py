@@ -56,6 +56,10 @@ LEVELS: list[tuple[str, ...]] = [
     # The automatic choice over a run, then the checkpoint schema (which reads it).
     ("kaisa.autochoice",),
     ("kaisa.checkpoint",),
+    # The registered layers: handler, block, captures and placement of each.
+    ("kaisa.roster",),
+    # What step() tells the user about the loop around it (reports, checks).
+    ("kaisa.watch",),
     # The front door, and the package that re-exports it.
     ("kaisa.preconditioner", "kaisa"),
     # Wrappers that build the front door inside a training framework.

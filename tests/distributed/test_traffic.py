@@ -278,7 +278,7 @@ def test_traffic_and_memory_match_the_cost_model(world_size: int) -> None:
                     # on factor-update steps, that every rank steps rather than
                     # discards the iteration: two flags), and each layer's two
                     # row counts with the factor all-reduce.
-                    "layer_flags": len(plan.layers) + (2 if step % FACTOR_UPDATE_STEPS == 0 else 0),
+                    "layer_flags": len(plan.layers) + (3 if step % FACTOR_UPDATE_STEPS == 0 else 0),
                     "factor_rows": 2 * len(plan.layers) if step % FACTOR_UPDATE_STEPS == 0 else 0,
                 }
                 assert got["per_step"][step] == expected, f"{where}, rank {rank}, step {step}"

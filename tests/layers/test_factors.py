@@ -52,7 +52,7 @@ def test_linear_factors(bias: bool, shape: tuple[int, ...]) -> None:
     rows_d = delta.reshape(-1, 3)
     a_ref = rows_x.T @ rows_x / rows_x.shape[0]
     g_ref = rows_d.T @ rows_d / rows_d.shape[0]
-    block = capture(layer, x)._layers[0].block
+    block = capture(layer, x).layers[0].block
     torch.testing.assert_close(block.a, a_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(block.g, g_ref, rtol=1e-12, atol=1e-12)
 
@@ -126,7 +126,7 @@ def test_conv2d_factors(case: dict[str, object]) -> None:
     a_ref = a_bar.T @ a_bar / (n * positions)
     d = delta.permute(0, 2, 3, 1).reshape(-1, c_out) / positions
     g_ref = d.T @ d / (n * positions)
-    block = capture(conv, x)._layers[0].block
+    block = capture(conv, x).layers[0].block
     torch.testing.assert_close(block.a, a_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(block.g, g_ref, rtol=1e-12, atol=1e-12)
 
@@ -135,7 +135,7 @@ def test_conv_patch_slicing_matches_whole_batch() -> None:
     """Building the patch matrix a slice of the batch at a time changes nothing."""
     conv = nn.Conv2d(3, 4, 3, padding=1).double()
     x = torch.randn(5, 3, 6, 6, dtype=torch.float64)
-    whole = capture(conv, x)._layers[0]
+    whole = capture(conv, x).layers[0]
     sliced_conv = nn.Conv2d(3, 4, 3, padding=1).double()
     sliced_conv.load_state_dict(conv.state_dict())
     pre = kaisa.KFACPreconditioner.with_reference_defaults(
@@ -199,7 +199,7 @@ def test_conv2d_reduce_estimator(case: dict[str, object]) -> None:
         patches = torch.cat([patches, torch.ones(patches.shape[0], 1, dtype=torch.float64)], 1)
     a_bar = (patches / positions).reshape(n, positions, -1).mean(1)
     d_bar = (delta / positions).permute(0, 2, 3, 1).reshape(n, positions, c_out).mean(1)
-    block = capture(conv, x, conv_factor_estimator="reduce")._layers[0].block
+    block = capture(conv, x, conv_factor_estimator="reduce").layers[0].block
     torch.testing.assert_close(block.a, a_bar.T @ a_bar / n, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(block.g, d_bar.T @ d_bar / n, rtol=1e-12, atol=1e-14)
 
@@ -236,8 +236,8 @@ def test_reduce_equals_expand_when_rows_do_not_vary_over_positions() -> None:
     """Constant input and a 1×1 conv: both estimators agree, so damping carries over."""
     conv = nn.Conv2d(2, 3, 1).double()
     x = torch.randn(4, 2, 1, 1, dtype=torch.float64).expand(4, 2, 5, 5).contiguous()
-    expand = capture(conv, x)._layers[0].block
-    reduce = capture(conv, x, conv_factor_estimator="reduce")._layers[0].block
+    expand = capture(conv, x).layers[0].block
+    reduce = capture(conv, x, conv_factor_estimator="reduce").layers[0].block
     torch.testing.assert_close(reduce.a, expand.a, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(reduce.g, expand.g, rtol=1e-12, atol=1e-14)
 
@@ -248,8 +248,8 @@ def test_bfloat16_products_accumulate_in_float32() -> None:
     x = torch.randn(4, 3, 8, 8)
     conv64 = nn.Conv2d(3, 4, 3, padding=1).double()
     conv64.load_state_dict(conv.state_dict())
-    exact = capture(conv64, x.double())._layers[0].block
-    fast = capture(conv, x, factor_product_dtype=torch.bfloat16)._layers[0].block
+    exact = capture(conv64, x.double()).layers[0].block
+    fast = capture(conv, x, factor_product_dtype=torch.bfloat16).layers[0].block
     assert fast.a.dtype == fast.g.dtype == torch.float32
     for got, ref in ((fast.a, exact.a), (fast.g, exact.g)):
         rel = (got.double() - ref).norm() / ref.norm()
