@@ -38,7 +38,7 @@ clean:
 	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache
 
 # The README's main job (issue 5): `make demo` and `make demo-quick`, the
-# benchmark suite of `kaisa demo`: workloads gap_cnn, small_cnn, vit (resnet20 on request) x
+# benchmark suite of `kaisa demo`: workloads gap_cnn, small_cnn, vit, gpt (resnet20 on request) x
 # arms sgd, adamw, muon, soap (heavyball, from the 'bench' extra), kaisa-sgd,
 # kaisa-adamw (K-FAC with the library's defaults), 3 seeds, each run stopped
 # at its workload's target. Per workload OUT/<workload>/{results.json,
