@@ -174,11 +174,13 @@ class Watch:
             )
         left = max(redone.values())
         if left > HELD_FACTOR_WARNING and self.once(f"factor dtype {name}"):
+            # (A bound: past 100% it says only that nothing of the solve is sure.)
+            how_far = f"up to about {left:.0%}" if left < 1.0 else "more than 100%"
             warn(
                 f"kaisa: layer {name!r}: factor(s) {sides} are so ill-conditioned at damping "
                 f"{damping:g} that, although kaisa decomposes them in float64, their running "
                 f"averages held in {str(factor_dtype).removeprefix('torch.')} "
-                f"(factor_dtype) may leave the preconditioned gradient up to about "
-                f"{left:.0%} off a float64 run. Pass factor_dtype=torch.float64 (and "
-                "inv_dtype=torch.float64) or a larger damping (reported once per layer)"
+                f"(factor_dtype) may leave the preconditioned gradient {how_far} off a "
+                "float64 run. Pass factor_dtype=torch.float64 (and inv_dtype=torch.float64) "
+                "or a larger damping (reported once per layer)"
             )
