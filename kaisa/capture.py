@@ -161,6 +161,13 @@ class LayerCaptures:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _then(
+    first: Callable[[torch.Tensor], torch.Tensor], second: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``second(first(grad))``: a layer's own selection, then the tensor-parallel gather."""
+    return lambda grad: second(first(grad))
+
+
 @dataclass(eq=False)
 class _Call:
     """One captured call of a layer, until its first output gradient arrives.
@@ -272,7 +279,13 @@ class Capturer:
             # The input enters A only when its output gradient arrives: a forward
             # whose backward never runs leaves no trace in the factors. Autograd
             # holds the input for the weight gradient anyway.
-            call = _Call(layer, select, x.detach(), pass_id, self.iteration)
+            # (Tensor parallelism: the shard a layer lacks is gathered, engines.tensor_parallel.)
+            whole, gather = layer.handler.grads.full_capture(
+                layer.handler.module, x.detach(), output
+            )
+            if gather is not None:
+                select = gather if select is None else _then(select, gather)
+            call = _Call(layer, select, whole, pass_id, self.iteration)
             output.register_hook(functools.partial(self._grad_output, call))  # type: ignore[no-untyped-call]
 
     def pass_of(self, layer: LayerCaptures) -> int:

@@ -11,8 +11,11 @@ construction, and reads and writes every gradient through the
   written back;
 * :mod:`kaisa.engines.deepspeed`: a DeepSpeed engine, ZeRO stages 0, 1 and 2
   (``pip install 'kaisa[deepspeed]'``);
-* :mod:`kaisa.engines.fsdp`: FSDP2 (``fully_shard``), whose gradients are
-  ``DTensor`` shards (torch only);
+* :mod:`kaisa.engines.fsdp`: FSDP2 (``fully_shard``, on a 1-D mesh or HSDP's
+  2-D one), whose gradients are ``DTensor`` shards (torch only);
+* :mod:`kaisa.engines.tensor_parallel`: ``nn.Linear`` layers parallelised
+  column- or row-wise (``torch.distributed.tensor.parallel``): the shard a
+  layer lacks is gathered for its factors and its gradient;
 * :mod:`kaisa.engines.pipelining`: ``torch.distributed.pipelining`` stages,
   which need no access of their own; the module spots the stage's
   shape-inference pass, which is no micro-batch.
@@ -22,8 +25,10 @@ How one is chosen (:func:`select_engine`), in this order:
 1. DeepSpeed, when ``deepspeed`` is already imported (only then can the model
    be a DeepSpeed engine) and the model is one; a module whose parameters a
    ZeRO optimizer manages, passed instead of its engine, is refused;
-2. FSDP2, when a parameter is a ``DTensor`` (tensor parallelism and 2-D meshes
-   are refused);
+2. when a parameter is a ``DTensor``: FSDP2 (1-D mesh) or HSDP (2-D mesh,
+   replicate × shard) when a module is sharded by ``fully_shard`` (FSDP2
+   combined with tensor parallelism is refused), tensor parallelism
+   (:mod:`kaisa.engines.tensor_parallel`) otherwise;
 3. otherwise plain.
 
 The engines sit below :mod:`kaisa.layers` and the front door and import
@@ -46,8 +51,10 @@ def select_engine(model: nn.Module) -> GradAccess:
     """The gradient access for what ``model`` is (see the module docstring).
 
     Raises ``ValueError`` for what kaisa cannot precondition correctly: a
-    DeepSpeed ZeRO-3 engine, or a module whose parameters a DeepSpeed ZeRO
-    optimizer manages passed instead of its engine.
+    DeepSpeed ZeRO-3 engine, a module whose parameters a DeepSpeed ZeRO
+    optimizer manages passed instead of its engine, FSDP2 combined with
+    tensor parallelism, or a DTensor parameter sharded in a way kaisa cannot
+    gather (:mod:`kaisa.engines.tensor_parallel` says which).
     """
     if "deepspeed" in sys.modules:
         # Only then can the model be a DeepSpeed engine (or hold ZeRO-managed parameters).
@@ -57,8 +64,13 @@ def select_engine(model: nn.Module) -> GradAccess:
         if access is not None:
             return access
     if any(is_dtensor(p) for p in model.parameters()):
-        from kaisa.engines.fsdp import ShardedGradAccess, check_fully_sharded
+        from torch.distributed.fsdp import FSDPModule
 
-        check_fully_sharded(model)
-        return ShardedGradAccess()
+        if any(isinstance(module, FSDPModule) for module in model.modules()):
+            from kaisa.engines.fsdp import ShardedGradAccess, check_fully_sharded
+
+            return ShardedGradAccess(check_fully_sharded(model))
+        from kaisa.engines.tensor_parallel import tensor_parallel_access
+
+        return tensor_parallel_access(model)
     return GradAccess()

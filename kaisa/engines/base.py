@@ -63,9 +63,10 @@ class GradAccess:
         grad = param.grad
         if grad is not None and is_dtensor(grad):
             raise RuntimeError(
-                "kaisa: a registered parameter's gradient is a DTensor (FSDP2's fully_shard "
-                "was applied after the KFACPreconditioner was built, which then could not "
-                "see it): build the preconditioner after fully_shard"
+                "kaisa: a registered parameter's gradient is a DTensor (FSDP2's fully_shard, "
+                "or tensor parallelism's parallelize_module, was applied after the "
+                "KFACPreconditioner was built, which then could not see it): build the "
+                "preconditioner after fully_shard (or parallelize_module)"
             )
         return grad
 
@@ -102,6 +103,18 @@ class GradAccess:
     def loss_scale(self) -> float:
         """The factor the gradients :meth:`read` returns are still multiplied by."""
         return 1.0
+
+    def full_capture(
+        self, module: torch.nn.Module, x: torch.Tensor, output: torch.Tensor
+    ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor] | None]:
+        """A call's whole input, and what makes its output gradient whole (``None``: it is).
+
+        What a capture hook of ``module`` hands on for the factors: with
+        tensor parallelism a layer sees a shard of its input or of its
+        output gradient (:mod:`kaisa.engines.tensor_parallel`); elsewhere
+        ``x`` as it is, and no gathering.
+        """
+        return x, None
 
 
 #: The access of handlers used outside a preconditioner.

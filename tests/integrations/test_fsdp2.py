@@ -16,7 +16,9 @@ broadcast as full matrices). Checked after ``STEPS`` steps, to ``TOL32``:
   weights are far away (so the comparison can fail).
 
 A preconditioner built before ``fully_shard`` refuses the first DTensor
-gradient it meets, saying to build it after ``fully_shard``.
+gradient it meets, saying to build it after ``fully_shard``. FSDP2 combined
+with tensor parallelism (a ``("dp", "tp")`` mesh) is refused at construction
+(HSDP: ``test_hsdp.py``; tensor parallelism alone: ``test_tensor_parallel.py``).
 """
 
 from __future__ import annotations
@@ -157,8 +159,10 @@ def _built_before(rank: int) -> str:
     return "accepted"
 
 
-def _tensor_parallel(rank: int, world_size: int) -> str:
+def _fsdp_with_tensor_parallel(rank: int, world_size: int) -> str:
+    """FSDP2 over a ``dp`` mesh dimension of a layer parallelised over ``tp``: refused."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -169,8 +173,9 @@ def _tensor_parallel(rank: int, world_size: int) -> str:
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    mesh = init_device_mesh("cpu", (world_size,))
-    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
     try:
         kaisa.KFACPreconditioner(model)
     except ValueError as error:
@@ -191,7 +196,7 @@ def _fsdp_case(rank: int, world_size: int) -> dict[str, Any]:
                 results[f"{kind}-{fraction}-{wrap}"] = _train(kind, rank, wrap, fraction)
         results[f"{kind}-raw"] = _train(kind, rank, "fsdp2", "comm-opt", kaisa_on=False)
     results["built-before"] = _built_before(rank)
-    results["tensor-parallel"] = _tensor_parallel(rank, world_size)
+    results["fsdp-tp"] = _fsdp_with_tensor_parallel(rank, world_size)
     return results
 
 
@@ -229,7 +234,8 @@ def test_built_before_fully_shard_is_refused(runs: list[dict[str, Any]]) -> None
         assert "after fully_shard" in run["built-before"]
 
 
-def test_tensor_parallelism_is_refused_at_construction(runs: list[dict[str, Any]]) -> None:
+def test_fsdp2_with_tensor_parallelism_is_refused_at_construction(
+    runs: list[dict[str, Any]],
+) -> None:
     for run in runs:
-        assert "tensor parallelism" in run["tensor-parallel"]
-        assert "not supported" in run["tensor-parallel"]
+        assert "FSDP2 combined with tensor parallelism is not supported" in run["fsdp-tp"]
