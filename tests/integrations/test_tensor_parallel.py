@@ -23,6 +23,12 @@ MEM-OPT, to the tolerance of the DDP equivalence tests:
 * each preconditioned gradient came back as the DTensor shard it was
   (same placements, this rank's local shape).
 
+A third model (TP alone) keeps a row-wise layer's output sharded along the
+sequence (``output_layouts=Shard(1)``, as sequence parallelism does) and
+gathers it in the next column-wise layer (``input_layouts=Shard(1)``,
+``output_layouts=Replicate()``): its factors and weights equal the whole
+model's too (the row-wise output gradient is gathered along the rows).
+
 Refused at construction, naming the setup: a sharded ``nn.Embedding``
 (``RowwiseParallel`` on an embedding) registered by kaisa, and, with TP x DP,
 no ``process_group=`` (the world is not the data-parallel group) or one that
@@ -174,6 +180,56 @@ def _embedding(mesh: Any) -> torch.nn.Module:
     return model
 
 
+def _sequence_model() -> torch.nn.Module:
+    from torch import nn
+
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 4))
+
+
+def _sequence_parallel(mesh: Any) -> torch.nn.Module:
+    """Row-wise output sharded along the sequence (dim 1), the next colwise gathering it."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    model = _sequence_model()
+    plan = {
+        "0": ColwiseParallel(),
+        "2": RowwiseParallel(output_layouts=Shard(1)),
+        "4": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    parallelize_module(model, mesh, plan)
+    return model
+
+
+def _sequence_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(300 + step)
+    return torch.randn(3, 4, 6, generator=g), torch.randint(0, 4, (3, 4), generator=g)
+
+
+def _train_sequence(model: torch.nn.Module) -> dict[str, Any]:
+    import torch.nn.functional as F
+
+    import kaisa
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    pre = kaisa.KFACPreconditioner(model, **KAISA)
+    for step in range(STEPS):
+        x, y = _sequence_batch(step)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        pre.step()
+        optimizer.step()
+    factors = [
+        t for la in pre.layers for t in (la.block.state_dict()["a"], la.block.state_dict()["g"])
+    ]
+    return {"weights": [_full(p) for p in model.parameters()], "factors": factors}
+
+
 def _tp_alone(rank: int, world_size: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -186,6 +242,7 @@ def _tp_alone(rank: int, world_size: int) -> dict[str, Any]:
     # Left out, the sharded embedding stops nothing.
     pre = kaisa.KFACPreconditioner(_embedding(mesh), skip_layers="0")
     results["embedding-skipped"] = len(pre.layers)
+    results["sequence"] = _train_sequence(_sequence_parallel(mesh))
     return results
 
 
@@ -265,6 +322,16 @@ def test_tensor_and_data_parallel_equal_whole_model(
     _check(with_dp, _single(2), fraction)
     for run in with_dp:
         assert run[fraction]["workers"] == (2 if fraction == "comm-opt" else 1)
+
+
+def test_output_sharded_along_the_sequence_is_gathered(alone: list[dict[str, Any]]) -> None:
+    """A row-wise layer whose output stays sharded along dim 1 (as sequence parallelism)."""
+    want = _train_sequence(_sequence_model())
+    for run in alone:
+        got = run["sequence"]
+        assert len(got["factors"]) == 6
+        assert _distance(got["factors"], want["factors"]) <= TOL
+        assert _distance(got["weights"], want["weights"]) <= TOL
 
 
 def test_sharded_embedding_is_refused_unless_skipped(alone: list[dict[str, Any]]) -> None:
