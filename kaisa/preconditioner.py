@@ -101,8 +101,8 @@ class KFACPreconditioner:
     to COMM-OPT (``1``).
 
     Args:
-        model: the model (plain, wrapped in DDP, a DeepSpeed engine with ZeRO
-            stage 0, 1 or 2, or sharded with FSDP2's ``fully_shard``: build the
+        model: the model (plain, DDP, a DeepSpeed engine with ZeRO 0, 1 or 2,
+            FSDP2/HSDP's ``fully_shard``, tensor-parallel ``nn.Linear``: build the
             preconditioner after those; ``docs/deepspeed-fsdp.md``); its
             ``nn.Linear``, ``nn.Conv1d``/``nn.Conv2d`` (groups = 1),
             ``nn.MultiheadAttention`` (four blocks) and ``nn.Embedding`` layers
