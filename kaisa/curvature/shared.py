@@ -25,10 +25,10 @@ in short:
   relative damping, 1 otherwise). With one use this is K-FAC's exact eigen
   solve; when the uses' factors commute it is ``(F/s + γI)⁻¹`` exactly.
 * The vocabulary side stays affordable: a side is held *diagonal*
-  (``Q = I``, ``O(n)``) when every use's factor on it is captured as moments
-  (the embedding's token counts, a head's ``'diagonal'`` or ``'kvec'`` ``G``:
-  their diagonal is taken); it is decomposed (``n³``) only when some use holds
-  a full matrix there, which the budget chose as affordable.
+  (``Q = I``, ``O(n)``) unless some use holds its factor there ``'exact'``
+  (the embedding's token counts are diagonal; of a head's ``'diagonal'``,
+  ``'kvec'`` or ``'lowrank'`` ``G`` the diagonal is taken); it is decomposed
+  (``n³``) only where the budget chose an exact factor as affordable.
 
 The uses keep their own blocks, captures and running averages (folded as any
 layer's); this object holds only the shared second-order state, on the owner's
@@ -121,35 +121,37 @@ class SharedCurvature:
     def _pieces(self, which: Factor) -> list[tuple[torch.Tensor, bool]]:
         """Each use's factor on the owner's side ``which``: ``(tensor, full)``.
 
-        ``full``: an ``n × n`` matrix (a gram); otherwise the ``n`` diagonal
-        (a moments side: its mean squared row). Padded with zeros to ``n``.
+        ``full``: an ``n × n`` matrix (an exact side); otherwise the ``n``
+        diagonal (of a low-rank side's running average, or a moments side's
+        mean squared row). Padded with zeros to ``n``.
         """
         n = self.sizes[which]
         pieces = []
         for use in self.uses:
             side = self.block_of(use.name).sides[self._side_of(use, which)]
             factor = side.factor
-            if side.spec.capture == "gram":
+            if side.spec.kind == "exact":
                 padded = factor.new_zeros(n, n)
                 padded[: factor.shape[0], : factor.shape[1]] = factor
                 pieces.append((padded, True))
-            else:
+            else:  # its diagonal: of the gram (low-rank), or the mean squared row
+                diagonal = factor.diagonal() if side.spec.capture == "gram" else factor[1]
                 padded = factor.new_zeros(n)
-                padded[: factor.shape[1]] = factor[1]
+                padded[: diagonal.shape[0]] = diagonal
                 pieces.append((padded, False))
         return pieces
 
     def kind(self, which: Factor, specs: Mapping[str, tuple[str, str]] | None = None) -> str:
-        """``'exact'`` (decomposed) when some use holds a full matrix (a gram) on side
-        ``which``, else ``'diagonal'``; for the uses' representations ``specs``
+        """``'exact'`` (decomposed) when some use holds side ``which`` exact, else
+        ``'diagonal'``; for the uses' representations ``specs``
         (``(A, G)`` by name; default: their blocks')."""
         for use in self.uses:
             side = self._side_of(use, which)
             if specs is None:
-                capture = self.block_of(use.name).sides[side].spec.capture
+                kind = self.block_of(use.name).sides[side].spec.kind
             else:
-                capture = SideSpec.parse(specs[use.name][0 if side == "a" else 1]).capture
-            if capture == "gram":
+                kind = SideSpec.parse(specs[use.name][0 if side == "a" else 1]).kind
+            if kind == "exact":
                 return "exact"
         return "diagonal"
 
