@@ -40,14 +40,14 @@ What a load does with what it finds:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kaisa.autochoice import FixedSides
 from kaisa.choices import COMPUTE_METHODS, DAMPING_MODES, EIGEN_CORRECTIONS, FACTOR_INITS
-from kaisa.curvature.block import BlockLayout, CheckedBlockState, check_block_state
+from kaisa.curvature.block import BlockLayout, CheckedBlockState, Factor, check_block_state
 from kaisa.curvature.budget import BudgetChoice
 from kaisa.curvature.costs import SideSpec
 from kaisa.distributed.plan import WorkPlan
@@ -82,6 +82,12 @@ _CONVERTIBLE = (
 )
 
 
+#: ``check(saved, where, specs)``: a shared weight's saved second-order state, checked.
+SharedCheck = Callable[
+    [object, str, Mapping[str, tuple[str, str]]], dict[Factor, list[torch.Tensor]]
+]
+
+
 @dataclass(frozen=True)
 class LayerSlot:
     """One registered layer as a checkpoint sees it."""
@@ -92,6 +98,9 @@ class LayerSlot:
     device: torch.device
     specs: tuple[str, str]  # the block's representations now
     fixed: FixedSides  # what the user (or the layer kind) fixed
+    #: The owner of a shared weight: checks its saved ``'shared'`` state for
+    #: the layers' representations (:meth:`~kaisa.curvature.shared.SharedCurvature.check_state`).
+    shared: SharedCheck | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +134,8 @@ class Restore:
     steps: int
     recompute: bool  # the second-order state is recomputed at the next step()
     converted: list[str]  # options whose other value in the checkpoint was converted
+    #: The shared weights' second-order state to load, by owner (with ``second_order``).
+    shared: dict[str, dict[Factor, list[torch.Tensor]]] = field(default_factory=dict)
 
 
 def write_state(
@@ -320,8 +331,18 @@ def read_state(state_dict: object, target: CheckpointTarget) -> Restore:
     recompute = not keep
     blocks: dict[str, CheckedBlockState] = {}
     load_second_order: set[str] = set()
+    shared: dict[str, dict[Factor, list[torch.Tensor]]] = {}
     for layer in target.layers:
         saved = layers[layer.name]
+        saved_shared = None
+        if isinstance(saved, Mapping) and "shared" in saved:
+            if layer.shared is None:
+                raise ValueError(
+                    f"layer {layer.name!r}: its state holds a shared weight's state ('shared'), "
+                    "but this layer shares no weight"
+                )
+            saved_shared = layer.shared(saved["shared"], f"layer {layer.name!r}", specs)
+            saved = {key: value for key, value in saved.items() if key != "shared"}
         if saved_options is not None:
             method, outer = (
                 saved_options["compute_method"],
@@ -347,11 +368,13 @@ def read_state(state_dict: object, target: CheckpointTarget) -> Restore:
         checked = check_block_state(saved, layout, legacy=legacy, second_order=keep and works_here)
         blocks[layer.name] = checked
         if keep and works_here:
-            if checked.second_order is not None:
+            if checked.second_order is not None and (layer.shared is None or saved_shared):
                 load_second_order.add(layer.name)
+                if saved_shared is not None:
+                    shared[layer.name] = saved_shared
             else:
                 # Written by a rank of another column. Every rank of this column
                 # sees the same checkpoint and decides alike, and the recompute
                 # only talks inside the column, so ranks need not agree on this.
                 recompute = True
-    return Restore(adopt, blocks, load_second_order, steps, recompute, converted)
+    return Restore(adopt, blocks, load_second_order, steps, recompute, converted, shared)

@@ -215,6 +215,7 @@ class KFACPreconditioner:
             options=options,
             factor_dtype=self.factor_dtype,
             inv_dtype=self.inv_dtype,
+            ties=surveyed.ties,
         )
         self._roster.place(self.plan, self.rank)
         self.comm = Communicator(
@@ -484,32 +485,29 @@ class KFACPreconditioner:
         rank = self.rank
         with self.telemetry.timer("decomposition"):
             for layer in self._roster:
-                if layer.dormant:
+                if not layer.active:  # (dormant, or a shared weight's other use)
                     continue
                 assignment = self.plan.layer(layer.name)
                 done: list[Factor] = []
                 for which, owner in (("a", assignment.a_rank), ("g", assignment.g_rank)):
                     if owner != rank:
                         continue
-                    if layer.block.decompose(which, damping):  # type: ignore[arg-type]
+                    if layer.decompose(which, damping):  # type: ignore[arg-type]
                         done.append(which)  # type: ignore[arg-type]
                     else:
                         self.telemetry.failed_decompositions += 1
                 # Too coarse in float32 for this damping: redone in float64.
-                redone = layer.block.refine(done, damping) if done else {}
+                redone = layer.refine(done, damping) if done else {}
                 if redone:
                     self.telemetry.float64_decompositions += len(redone)
                     self._watch.refined(layer.name, redone, damping, self._steps, self.factor_dtype)
-        working = [layer for layer in self._roster if layer.grad_worker and not layer.dormant]
+        working = [layer for layer in self._roster if layer.grad_worker and layer.active]
         self.comm.broadcast_decompositions(
-            {
-                layer.name: (layer.block.state_tensors("a"), layer.block.state_tensors("g"))
-                for layer in working
-            }
+            {layer.name: (layer.state_tensors("a"), layer.state_tensors("g")) for layer in working}
         )
         with self.telemetry.timer("decomposition"):
             for layer in working:
-                layer.block.finish_update(damping)
+                layer.finish_update(damping)
 
     def _precondition(self, hyper: StepHyper) -> None:
         pairs: list[tuple[Layer, torch.Tensor, torch.Tensor]] = []
@@ -520,13 +518,13 @@ class KFACPreconditioner:
         called = self.comm.any_rank([layer.captures.called for layer in self._roster])
         with self.telemetry.timer("precondition"):
             for layer, was_called in zip(self._roster, called, strict=True):
-                if not was_called or layer.dormant:
+                if not was_called or not layer.active:
                     continue
                 grad = layer.handler.grad_matrix()
                 if grad is None:
                     continue
                 if layer.grad_worker:
-                    preconditioned = layer.block.precondition(grad, hyper.damping)
+                    preconditioned = layer.precondition(grad, hyper.damping)
                 else:  # the plan's source in this rank's row sends it
                     preconditioned = torch.empty_like(grad)
                 pairs.append((layer, preconditioned, grad))
@@ -569,8 +567,8 @@ class KFACPreconditioner:
 
         A preconditioned parameter names its block(s) and their kind with the
         representations of ``A`` and ``G`` (as chosen so far); a raw one says
-        why (no handler, a normalisation layer, ``skip_layers``, shared by
-        two modules, a frozen partner, or a layer that captured nothing).
+        why (no handler, a normalisation layer, ``skip_layers``, a weight shared
+        beyond registered layers, a frozen partner, or a layer that captured nothing).
         """
         return self._roster.coverage(self._treatments)
 
@@ -597,7 +595,7 @@ class KFACPreconditioner:
             grad_workers=self.plan.grad_workers,
             options=self.options,
             choice=self._auto.choice,
-            blocks={layer.name: layer.block.state_dict() for layer in self._roster},
+            blocks={layer.name: layer.state_dict() for layer in self._roster},
         )
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -632,9 +630,8 @@ class KFACPreconditioner:
         if restore.choice is not None:
             self._apply_choice(restore.choice)
         for layer in self._roster:
-            layer.block.load_checked(
-                restore.blocks[layer.name], second_order=layer.name in restore.second_order
-            )
+            second, shared = layer.name in restore.second_order, restore.shared.get(layer.name)
+            layer.load_checked(restore.blocks[layer.name], second_order=second, shared=shared)
         self._steps = restore.steps
         self._auto.restored(self._steps)
         self._capturer.enabled = self._is_factor_step()

@@ -24,12 +24,13 @@ import torch
 from kaisa.autochoice import FixedSides
 from kaisa.capture import LayerCaptures
 from kaisa.checkpoint import LayerSlot
-from kaisa.curvature.block import KroneckerBlock
+from kaisa.curvature.block import CheckedBlockState, Factor, KroneckerBlock
 from kaisa.curvature.costs import SideSpec
+from kaisa.curvature.shared import SharedCurvature, Use
 from kaisa.distributed.comm import PayloadKey
 from kaisa.distributed.plan import WorkPlan
 from kaisa.layers import LayerHandler
-from kaisa.layers.registry import Coverage, Treatment, coverage_of
+from kaisa.layers.registry import Coverage, Tie, Treatment, coverage_of
 from kaisa.options import KFACOptions
 from kaisa.views import BlockView, RegisteredLayer
 from kaisa.warn import warn
@@ -56,6 +57,65 @@ class Layer:
     dormant: bool = False
     #: This rank preconditions the layer's gradient (KAISA's plan; set with the plan).
     grad_worker: bool = True
+    #: The owner of a weight shared with other layers: its summed curvature
+    #: (:mod:`kaisa.curvature.shared`), which preconditions the shared gradient.
+    shared: SharedCurvature | None = None
+    #: Another use of a shared weight: the owner this layer's captures serve
+    #: (it folds its factors, but neither decomposes nor preconditions).
+    tied_to: str | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether the layer decomposes and preconditions: not dormant, not another's use."""
+        return not self.dormant and self.tied_to is None
+
+    # -- second-order work: the block's, or the shared weight's ---------------------
+    def decompose(self, which: Factor, damping: float) -> bool:
+        if self.shared is not None:
+            return self.shared.decompose(which, damping)
+        return self.block.decompose(which, damping)
+
+    def refine(self, done: Sequence[Factor], damping: float) -> dict[Factor, float]:
+        """The block's float64 redo (:meth:`KroneckerBlock.refine`); none for a shared weight."""
+        return {} if self.shared is not None else self.block.refine(done, damping)
+
+    def state_tensors(self, which: Factor) -> list[torch.Tensor]:
+        if self.shared is not None:
+            return self.shared.state_tensors(which)
+        return self.block.state_tensors(which)
+
+    def finish_update(self, damping: float) -> None:
+        if self.shared is None:
+            self.block.finish_update(damping)
+
+    def precondition(self, grad: torch.Tensor, damping: float) -> torch.Tensor:
+        if self.shared is not None:
+            return self.shared.precondition(grad, damping)
+        return self.block.precondition(grad, damping)
+
+    def allocate_second_order(self) -> None:
+        self.block.allocate_second_order()
+        if self.shared is not None:
+            self.shared.allocate()
+
+    def state_dict(self) -> dict[str, object]:
+        """The block's state dict; a shared weight's owner adds its state as ``'shared'``."""
+        state = self.block.state_dict()
+        if self.shared is not None and self.shared.state:
+            state["shared"] = self.shared.state_dict()
+        return state
+
+    def load_checked(
+        self,
+        checked: CheckedBlockState,
+        *,
+        second_order: bool,
+        shared: Mapping[Factor, Sequence[torch.Tensor]] | None,
+    ) -> None:
+        """Install a checked block state (and a shared weight's, ``None``: the identity's)."""
+        self.block.load_checked(checked, second_order=second_order)
+        if self.shared is not None and (self.shared.state or shared is not None):
+            self.shared.load(shared if second_order else None)
 
     @property
     def specs(self) -> tuple[str, str]:
@@ -63,8 +123,15 @@ class Layer:
 
     def slot(self, fixed: FixedSides) -> LayerSlot:
         handler = self.handler
+        shared = None if self.shared is None else self.shared.check_state
         return LayerSlot(
-            self.name, handler.a_size, handler.g_size, handler.weight.device, self.specs, fixed
+            self.name,
+            handler.a_size,
+            handler.g_size,
+            handler.weight.device,
+            self.specs,
+            fixed,
+            shared=shared,
         )
 
     def view(self) -> RegisteredLayer:
@@ -119,6 +186,7 @@ class Roster:
         options: KFACOptions,
         factor_dtype: torch.dtype,
         inv_dtype: torch.dtype,
+        ties: Sequence[Tie] = (),
     ) -> None:
         self.options = options
         self.factor_dtype = factor_dtype
@@ -128,6 +196,18 @@ class Roster:
             block = self.make_block(name, handler, specs[name])
             captures = LayerCaptures(name, handler, keys(name, block.specs))
             self.layers.append(Layer(name, handler, block, captures))
+        by_name = {layer.name: layer for layer in self.layers}
+        for tie in ties:
+            owner = by_name[tie.uses[0][0]]
+            owner.shared = SharedCurvature(
+                owner.name,
+                [Use(name, transposed) for name, transposed in tie.uses],
+                lambda name: by_name[name].block,
+                inv_dtype=inv_dtype,
+                relative=options.damping_mode == "relative",
+            )
+            for name, _ in tie.uses[1:]:
+                by_name[name].tied_to = owner.name
 
     def __iter__(self) -> Iterator[Layer]:
         return iter(self.layers)
@@ -191,7 +271,7 @@ class Roster:
         for layer in self.layers:
             layer.grad_worker = plan.is_grad_worker(layer.name, rank)
             if layer.grad_worker and not layer.dormant:
-                layer.block.allocate_second_order()
+                layer.allocate_second_order()
 
     # -- a factor-update step's idle layers ------------------------------------------
     def check_idle(
@@ -226,7 +306,7 @@ class Roster:
                 if layer.dormant:
                     layer.dormant = False
                     if layer.grad_worker:
-                        layer.block.allocate_second_order()
+                        layer.allocate_second_order()
                     # Second-order state that no factor update has reached yet (a
                     # layer idle from the start, or re-made by the automatic choice
                     # while idle) is recomputed now; kept state waits for its turn.
@@ -277,6 +357,10 @@ class Roster:
         """Bytes of factors, second-order state and captures held on this rank."""
         return {
             "factors": sum(layer.block.factor_bytes() for layer in self),
-            "second_order": sum(layer.block.second_order_bytes() for layer in self),
+            "second_order": sum(
+                layer.block.second_order_bytes()
+                + (layer.shared.state_bytes() if layer.shared else 0)
+                for layer in self
+            ),
             "captures": sum(layer.captures.capture_bytes() for layer in self),
         }

@@ -28,19 +28,38 @@ class TiedLM(nn.Module):
         return self.head(self.norm(self.encoder(self.embed(idx))))
 
 
-def test_a_tied_parameter_is_left_raw_with_a_warning_naming_it() -> None:
+def test_a_tied_parameter_is_preconditioned_with_the_curvature_of_both_uses() -> None:
     torch.manual_seed(0)
     model = TiedLM()
+    pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
+    names = [layer.name for layer in pre.layers]
+    assert "embed" in names and "head" in names
+    assert "encoder.layers.0.self_attn.q" in names
+    by_name = {t.parameter: t for t in pre.coverage()}
+    assert by_name["embed.weight"].kind.startswith("kronecker (shared by head, embed")
+    assert by_name["head.bias"].blocks == ("head",)
+    idx = torch.randint(0, 11, (3, 5))
+    F.cross_entropy(model(idx).reshape(-1, 11), idx.reshape(-1)).backward()
+    tied = model.embed.weight.grad.clone()
+    pre.step()
+    assert not torch.equal(model.embed.weight.grad, tied)
+    assert torch.isfinite(model.embed.weight.grad).all()
+
+
+def test_a_tied_parameter_with_two_biases_is_left_raw_with_a_warning_naming_it() -> None:
+    torch.manual_seed(0)
+    model = TiedLM()
+    model.back = nn.Linear(8, 11)
+    model.back.weight = model.embed.weight  # the same (11, 8) weight, with a second bias
     with pytest.warns(UserWarning, match="shares a parameter") as caught:
         pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
     text = " ".join(str(w.message) for w in caught)
     assert "'embed'" in text and "'head'" in text
     names = [layer.name for layer in pre.layers]
-    assert "embed" not in names and "head" not in names
-    assert "encoder.layers.0.self_attn.q" in names
+    assert "embed" not in names and "head" not in names and "back" not in names
     raw = {t.parameter: t.reason for t in pre.coverage().raw()}
-    assert raw["embed.weight"] == "shared by embed, head"
-    assert raw["head.bias"] == "its layer's other parameter is shared by embed, head"
+    assert raw["embed.weight"] == "shared by back, embed, head"
+    assert raw["head.bias"] == "its layer's other parameter is shared by back, embed, head"
     idx = torch.randint(0, 11, (3, 5))
     F.cross_entropy(model(idx).reshape(-1, 11), idx.reshape(-1)).backward()
     tied = model.embed.weight.grad.clone()

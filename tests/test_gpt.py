@@ -179,19 +179,20 @@ def test_kaisa_registers_every_linear_and_both_embeddings() -> None:
     pre.remove_hooks()
 
 
-def test_kaisa_leaves_the_tied_embedding_raw_with_the_shared_parameter_warning() -> None:
-    """What the library does today with a tied head: both uses raw, one warning naming both."""
+def test_kaisa_preconditions_the_tied_embedding_with_both_uses_curvature() -> None:
+    """A tied head: both uses registered, the shared weight preconditioned, no warning."""
     model = GPT(tied_head=True)
-    with pytest.warns(UserWarning, match="shares a parameter") as caught:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         pre = kaisa.KFACPreconditioner(model)
-    text = " ".join(str(w.message) for w in caught)
-    assert "'tok_embed'" in text and "'head'" in text
     names = {layer.name for layer in pre.layers}
-    assert "tok_embed" not in names and "head" not in names
-    assert "pos_embed" in names and "blocks.2.mlp.proj" in names
-    raw = {t.parameter: t.reason for t in pre.coverage().raw()}
-    assert raw["tok_embed.weight"] == "shared by head, tok_embed"
-    assert "head.weight" not in raw  # the same Parameter, listed once under the embedding
+    assert {"tok_embed", "head", "pos_embed", "blocks.2.mlp.proj"} <= names
+    coverage = {t.parameter: t for t in pre.coverage()}
+    tied = coverage["tok_embed.weight"]
+    assert tied.kind.startswith("kronecker (shared by tok_embed, head: summed curvature)")
+    assert set(tied.blocks) == {"tok_embed", "head"}
+    assert "head.weight" not in coverage  # the same Parameter, listed once under the embedding
+    assert all(".ln" in t.parameter or t.parameter.startswith("ln_f") for t in pre.coverage().raw())
     pre.remove_hooks()
 
 
@@ -200,9 +201,7 @@ def test_a_few_steps_with_kaisa_stay_finite_and_learn(tied: bool) -> None:
     torch.manual_seed(0)
     model = _small(tied_head=tied)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the tied head's warning, tested above
-        pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=2, lr=3e-3)
+    pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=2, lr=3e-3)
     windows = (torch.arange(16 * 17) % 7).view(16, 17)  # a pattern learnt in a few steps
     x, y = windows[:, :-1], windows[:, 1:]
     losses = []

@@ -26,6 +26,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from kaisa.layers.attention import attention_handlers
@@ -217,12 +218,27 @@ class Coverage:
 
 
 @dataclass(frozen=True)
+class Tie:
+    """A weight shared by several registered layers, preconditioned with their summed curvature.
+
+    ``uses``: ``(layer name, transposed)`` of each, the owner first (its
+    gradient matrix is the one preconditioned; ``transposed``: this use's
+    matrix is the owner's transposed). See :mod:`kaisa.curvature.shared`.
+    """
+
+    parameter: str
+    weight: torch.Tensor = field(repr=False)
+    uses: tuple[tuple[str, bool], ...]
+
+
+@dataclass(frozen=True)
 class Survey:
     """The layers kaisa preconditions in a model, and every parameter's treatment."""
 
     layers: list[tuple[str, LayerHandler]]
     treatments: list[Treatment]
     warnings: list[str] = field(default_factory=list)
+    ties: list[Tie] = field(default_factory=list)
 
 
 _NORMS = (
@@ -313,9 +329,13 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
     handled parameters does not require a gradient, or when no handler
     supports it. A module that appears twice in the tree (one layer called by
     two parents) is registered once and gathers curvature from every call. A
-    parameter held by two different modules (a head tied to an embedding) is
-    left raw with a warning: its gradient sums both uses, and one use's
-    curvature would precondition it wrongly. Modules left raw for a reason
+    weight held by several registered layers (a head tied to an embedding)
+    registers each of them, and :attr:`Survey.ties` says that they share it:
+    its gradient, which sums every use, is preconditioned with the sum of
+    their curvatures (:mod:`kaisa.curvature.shared`; :func:`_tie` says
+    when). One that cannot be (also held by a module kaisa does not handle,
+    or shared with a bias) is left raw with a warning: one use's curvature
+    would precondition it wrongly. Modules left raw for a reason
     worth a warning (grouped convolutions, sparse embeddings, a subclass
     with its own ``forward``) get one warning per reason, listing them.
     ``options`` go to the handler factories
@@ -332,6 +352,7 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
     messages: list[str] = []
     skipped: dict[str, list[tuple[str, nn.Module, _Raw]]] = {}
     warned_shared: set[tuple[str, ...]] = set()
+    sharing: list[_Sharing] = []
     seen: set[int] = set()
     for name, module in model.named_modules():
         if id(module) in seen:
@@ -384,26 +405,10 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
                     raw.setdefault(id(param), why.reason)
                 skipped.setdefault(why.group, []).append((label, module, why))
                 continue
-            shared = [p for p in params if holders[id(p)].keys() - claimed]
-            if shared:
-                users = sorted({o for p in shared for o in holders[id(p)].values()})
-                others = [user for user in users if user != label] or users
-                if tuple(users) not in warned_shared:  # one warning per set of users
-                    warned_shared.add(tuple(users))
-                    messages.append(
-                        f"kaisa: {label!r} shares a parameter with {', '.join(map(repr, others))}; "
-                        "its gradient sums every use, so it is left raw rather than "
-                        "preconditioned with one use's curvature"
-                    )
-                shared_ids = {id(p) for p in shared}
-                for param in params:
-                    raw[id(param)] = (
-                        f"shared by {', '.join(users)}"
-                        if id(param) in shared_ids
-                        else f"its layer's other parameter is shared by {', '.join(users)}"
-                    )
-                continue
             block = f"{label}.{handler.suffix}" if handler.suffix else label
+            shared = [p for p in params if holders[id(p)].keys() - claimed]
+            if shared:  # decided once every use is known (see _tie)
+                sharing.append(_Sharing(block, handler, label, shared))
             found.append((block, handler))
         # Parameters of a claimed module that no handler covers (bias_k, bias_v).
         covered = {id(p) for h in handlers for p in h.parameters()}
@@ -411,6 +416,35 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
             for param in claimed_module.parameters(recurse=False):
                 if id(param) not in covered:
                     raw.setdefault(id(param), f"not a projection of {class_name}")
+    param_names = {id(p): n for n, p in model.named_parameters()}
+    ties = _tie(sharing, holders, param_names)
+    tied = {name for tie in ties for name, _ in tie.uses}
+    for entry in sharing:
+        if entry.block in tied:
+            continue
+        found = [(b, h) for b, h in found if b != entry.block]
+        users = sorted({o for p in entry.shared for o in holders[id(p)].values()})
+        others = [user for user in users if user != entry.label] or users
+        if tuple(users) not in warned_shared:  # one warning per set of users
+            warned_shared.add(tuple(users))
+            messages.append(
+                f"kaisa: {entry.label!r} shares a parameter with {', '.join(map(repr, others))}; "
+                "its gradient sums every use, and kaisa sums the curvature of every use only "
+                "for a whole 2-D weight shared by registered layers (at most one with a bias), "
+                "so it is left raw rather than preconditioned with one use's curvature"
+            )
+        shared_ids = {id(p) for p in entry.shared}
+        for param in entry.handler.parameters():
+            raw[id(param)] = (
+                f"shared by {', '.join(users)}"
+                if id(param) in shared_ids
+                else f"its layer's other parameter is shared by {', '.join(users)}"
+            )
+    tie_kind = {
+        id(tie.weight): f"kronecker (shared by {', '.join(n for n, _ in tie.uses)}: "
+        "summed curvature)"
+        for tie in ties
+    }
     by_param: dict[int, list[tuple[str, LayerHandler]]] = {}
     for block, handler in found:
         for param in handler.parameters():
@@ -422,11 +456,72 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
         blocks = by_param.get(id(param), [])
         if blocks and id(param) not in raw:
             names = tuple(b for b, _ in blocks)
-            treatments.append(Treatment(pname, tuple(param.shape), names, blocks[0][1].kind))
+            kind = tie_kind.get(id(param), blocks[0][1].kind)
+            treatments.append(Treatment(pname, tuple(param.shape), names, kind))
         else:
             reason = raw.get(id(param), "not part of a registered layer")
             treatments.append(Treatment(pname, tuple(param.shape), (), "raw", reason))
-    return Survey(found, treatments, _skip_warnings(skipped) + messages)
+    return Survey(found, treatments, _skip_warnings(skipped) + messages, ties)
+
+
+@dataclass(frozen=True)
+class _Sharing:
+    """A handled layer one of whose parameters another module holds too."""
+
+    block: str
+    handler: LayerHandler
+    label: str
+    shared: list[torch.Tensor]
+
+
+def _weight_matrix(handler: LayerHandler) -> tuple[int, int] | None:
+    """``(g, a)`` of the layer's weight columns when its weight is one whole 2-D matrix."""
+    weight, rows = handler.weight_slot()
+    if weight.dim() != 2 or rows != slice(None):
+        return None
+    return handler.g_size, handler.a_size - (1 if handler.has_bias else 0)
+
+
+def _tie(
+    sharing: Sequence[_Sharing],
+    holders: Mapping[int, Mapping[int, str]],
+    param_names: Mapping[int, str],
+) -> list[Tie]:
+    """The shared weights whose every use is a registered layer kaisa can sum.
+
+    A weight is tied when every module holding it is claimed by one of the
+    layers sharing it, it is each one's whole 2-D weight and the only
+    parameter they share, and at most one of them has a bias (the owner,
+    listed first; else the first use). Each other use is marked transposed
+    when its gradient matrix is the owner's transposed (an embedding's
+    ``(dim, vocab)`` against a head's ``(vocab, dim)``).
+    """
+    groups: dict[int, list[_Sharing]] = {}
+    for entry in sharing:
+        if len(entry.shared) != 1 or entry.shared[0] is not entry.handler.weight:
+            continue
+        groups.setdefault(id(entry.shared[0]), []).append(entry)
+    ties = []
+    for key, members in groups.items():
+        claimed = {id(m) for e in members for m in e.handler.claimed_modules()}
+        if len(members) < 2 or not holders[key].keys() <= claimed:
+            continue
+        if sum(e.handler.has_bias for e in members) > 1:
+            continue
+        members = sorted(members, key=lambda e: not e.handler.has_bias)  # stable: owner first
+        shapes = [_weight_matrix(e.handler) for e in members]
+        owner = members[0].handler
+        uses: list[tuple[str, bool]] = []
+        for entry, shape in zip(members, shapes, strict=True):
+            if shape is None:
+                break
+            transposed = entry.handler.weight_layout != owner.weight_layout
+            if (shape[::-1] if transposed else shape) != shapes[0]:
+                break
+            uses.append((entry.block, transposed))
+        else:
+            ties.append(Tie(param_names.get(key, members[0].label), owner.weight, tuple(uses)))
+    return ties
 
 
 def find_layers(

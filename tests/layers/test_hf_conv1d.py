@@ -13,7 +13,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -166,16 +165,18 @@ def test_a_gpt2_built_from_a_config_has_every_conv1d_preconditioned() -> None:
     )  # fmt: skip
     model = GPT2LMHeadModel(config)
     model.train()
-    with pytest.warns(UserWarning, match="shares a parameter"):
-        pre = kaisa.KFACPreconditioner(model, lr=0.01)
+    pre = kaisa.KFACPreconditioner(model, lr=0.01)
     coverage = pre.coverage()
     conv = [n for n, m in model.named_modules() if isinstance(m, Conv1D)]
     assert len(conv) == 8
-    assert {layer.name for layer in pre.layers} >= set(conv) | {"transformer.wpe"}
+    assert {layer.name for layer in pre.layers} >= set(conv) | {"transformer.wpe", "lm_head"}
     params = dict(model.named_parameters())
     matrices = {t.parameter: t for t in coverage if params[t.parameter].ndim >= 2}
-    raw = {n for n, t in matrices.items() if t.kind == "raw"}
-    assert raw == {"transformer.wte.weight"}  # tied to lm_head: raw with the shared warning
+    assert [n for n, t in matrices.items() if t.kind == "raw"] == []
+    # The embedding tied to lm_head: the summed curvature of both uses.
+    assert matrices["transformer.wte.weight"].kind.startswith(
+        "kronecker (shared by transformer.wte, lm_head: summed curvature)"
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     idx = torch.randint(0, 97, (2, 16))
     losses = []

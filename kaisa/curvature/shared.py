@@ -1,0 +1,309 @@
+"""One parameter used by several layers (a tied embedding and head): the sum of their curvatures.
+
+A weight ``W`` that several registered layers use (GPT-2's ``lm_head.weight``
+*is* ``wte.weight``) gets one gradient, the sum of every use's contribution,
+and one block of curvature: the sum ``F = Σ_u F_u`` of the uses' K-FAC blocks
+(the Fisher of the tied parameter when the uses' cross terms are dropped, as
+K-FAC drops those between layers). ``docs/shared-parameters.md`` derives it;
+in short:
+
+* The gradient is held as one matrix ``M`` (``m × n``), in the orientation of
+  the *owner*, one of the uses (the one with a bias if any, else the first).
+  A use whose gradient matrix is ``M`` (same orientation) contributes
+  ``F_u(M) = G_u M A_u``; one whose matrix is ``Mᵀ`` (the embedding's
+  ``(dim, vocab)`` against the head's ``(vocab, dim)``) contributes
+  ``(G_u Mᵀ A_u)ᵀ = A_u M G_u``. So every use is ``L_u M R_u``: ``F = Σ_u R_u ⊗ L_u``,
+  with ``L_u`` on the owner's ``G`` side (``m``) and ``R_u`` on its ``A`` side
+  (``n``). A use without the owner's bias has one row or column less: its
+  factor is padded with zeros there (the bias gets no gradient from it).
+* ``F`` is not one Kronecker product, and its exact inverse is out of reach
+  (``(mn)³``). It is solved in one Kronecker eigenbasis ``Q_L ⊗ Q_R``: the
+  eigenbases of the partial traces ``Σ_u tr(R_u) L_u`` and
+  ``Σ_u tr(L_u) R_u``, with ``F``'s exact diagonal in that basis,
+  ``Λ = Σ_u λ_u ρ_uᵀ`` (``λ_u = diag(Q_Lᵀ L_u Q_L)``, ``ρ_u = diag(Q_Rᵀ R_u Q_R)``):
+  ``P = Q_L [(Q_Lᵀ ∇ Q_R) ⊘ (Λ / s + γ)] Q_Rᵀ`` (``s = mean(Λ)`` under
+  relative damping, 1 otherwise). With one use this is K-FAC's exact eigen
+  solve; when the uses' factors commute it is ``(F/s + γI)⁻¹`` exactly.
+* The vocabulary side stays affordable: a side is held *diagonal*
+  (``Q = I``, ``O(n)``) unless some use holds its factor there ``'exact'``
+  (the embedding's token counts are diagonal; of a head's ``'diagonal'``,
+  ``'kvec'`` or ``'lowrank'`` ``G`` the diagonal is taken); it is decomposed
+  (``n³``) only where the budget chose an exact factor as affordable.
+
+The uses keep their own blocks, captures and running averages (folded as any
+layer's); this object holds only the shared second-order state, on the owner's
+gradient workers: per side ``[Q, ρ_1 … ρ_U]`` (exact) or ``[ρ_1 … ρ_U]``
+(diagonal). Nothing here knows modules, hooks or ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kaisa.curvature.block import Factor, KroneckerBlock
+from kaisa.curvature.costs import SideSpec
+from kaisa.curvature.linalg import DecompositionError, compute_dtype, mean_scale, symmetric_eigen
+from kaisa.validation import check_tensor
+from kaisa.warn import warn
+
+__all__ = ["SharedCurvature", "Use"]
+
+_OTHER: dict[Factor, Factor] = {"a": "g", "g": "a"}
+
+
+@dataclass(frozen=True)
+class Use:
+    """One use of a shared weight: its layer's name, and whether its gradient matrix is
+    the owner's transposed."""
+
+    name: str
+    transposed: bool = False
+
+
+class SharedCurvature:
+    """The summed curvature of the uses of one shared weight (see the module docstring).
+
+    Args:
+        name: the owner's layer name (messages).
+        uses: each use, the owner first (its sizes are its block's:
+            ``g_size × a_size``).
+        block_of: each use's current block, by name (blocks are re-made when
+            the automatic choice changes a representation).
+        inv_dtype: the dtype the second-order state is stored in (solved in
+            at least float32).
+        relative: relative damping (``Λ`` divided by its mean).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        uses: Sequence[Use],
+        block_of: Callable[[str], KroneckerBlock],
+        *,
+        inv_dtype: torch.dtype,
+        relative: bool,
+    ) -> None:
+        if len(uses) < 2 or uses[0].transposed:
+            raise ValueError("a shared weight needs its owner first and at least one more use")
+        self.name = name
+        self.uses = list(uses)
+        self.block_of = block_of
+        owner = block_of(uses[0].name)
+        self.sizes: dict[Factor, int] = {"a": owner.a_size, "g": owner.g_size}
+        for use in uses:
+            block = block_of(use.name)
+            sizes = (block.g_size, block.a_size)
+            if use.transposed:
+                sizes = sizes[::-1]
+            if not (0 <= self.sizes["g"] - sizes[0] <= 1 and 0 <= self.sizes["a"] - sizes[1] <= 1):
+                raise ValueError(
+                    f"shared weight of {name!r}: use {use.name!r} has sides {sizes}, the owner "
+                    f"{(self.sizes['g'], self.sizes['a'])}"
+                )
+        self.inv_dtype = inv_dtype
+        self.work_dtype = compute_dtype(inv_dtype)
+        self.relative = relative
+        self.device = owner.a.device
+        self.state: dict[Factor, list[torch.Tensor]] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return [use.name for use in self.uses]
+
+    # -- the uses' factors on one side ---------------------------------------------
+    def _side_of(self, use: Use, which: Factor) -> Factor:
+        """The use's own side that lies on the owner's side ``which``."""
+        return _OTHER[which] if use.transposed else which
+
+    def _pieces(self, which: Factor) -> list[tuple[torch.Tensor, bool]]:
+        """Each use's factor on the owner's side ``which``: ``(tensor, full)``.
+
+        ``full``: an ``n × n`` matrix (an exact side); otherwise the ``n``
+        diagonal (of a low-rank side's running average, or a moments side's
+        mean squared row). Padded with zeros to ``n``.
+        """
+        n = self.sizes[which]
+        pieces = []
+        for use in self.uses:
+            side = self.block_of(use.name).sides[self._side_of(use, which)]
+            factor = side.factor
+            if side.spec.kind == "exact":
+                padded = factor.new_zeros(n, n)
+                padded[: factor.shape[0], : factor.shape[1]] = factor
+                pieces.append((padded, True))
+            else:  # its diagonal: of the gram (low-rank), or the mean squared row
+                diagonal = factor.diagonal() if side.spec.capture == "gram" else factor[1]
+                padded = factor.new_zeros(n)
+                padded[: diagonal.shape[0]] = diagonal
+                pieces.append((padded, False))
+        return pieces
+
+    def kind(self, which: Factor, specs: Mapping[str, tuple[str, str]] | None = None) -> str:
+        """``'exact'`` (decomposed) when some use holds side ``which`` exact, else
+        ``'diagonal'``; for the uses' representations ``specs``
+        (``(A, G)`` by name; default: their blocks')."""
+        for use in self.uses:
+            side = self._side_of(use, which)
+            if specs is None:
+                kind = self.block_of(use.name).sides[side].spec.kind
+            else:
+                kind = SideSpec.parse(specs[use.name][0 if side == "a" else 1]).kind
+            if kind == "exact":
+                return "exact"
+        return "diagonal"
+
+    def shapes(
+        self, which: Factor, specs: Mapping[str, tuple[str, str]] | None = None
+    ) -> list[tuple[int, ...]]:
+        """The shapes of side ``which``'s state tensors (``[Q,] ρ_1 … ρ_U``)."""
+        n = self.sizes[which]
+        basis: list[tuple[int, ...]] = [(n, n)] if self.kind(which, specs) == "exact" else []
+        return basis + [(n,)] * len(self.uses)
+
+    def dense_factors(self, which: Factor) -> list[torch.Tensor]:
+        """Each use's factor on side ``which`` as an ``n × n`` matrix (tests, inspection)."""
+        return [p if full else torch.diag(p) for p, full in self._pieces(which)]
+
+    # -- second-order state ----------------------------------------------------------
+    def _identity_state(self, which: Factor) -> list[torch.Tensor]:
+        n = self.sizes[which]
+        ones = [torch.ones(n, dtype=self.inv_dtype, device=self.device) for _ in self.uses]
+        if self.kind(which) == "exact":
+            return [torch.eye(n, dtype=self.inv_dtype, device=self.device), *ones]
+        return ones
+
+    def allocate(self) -> None:
+        """State on this rank, that of identity factors, where a side has none (or of
+        another form: the uses' representations changed)."""
+        sides: tuple[Factor, Factor] = ("a", "g")
+        for which in sides:
+            held = self.state.get(which)
+            if held is None or [tuple(t.shape) for t in held] != self.shapes(which):
+                self.state[which] = self._identity_state(which)
+
+    def state_tensors(self, which: Factor) -> list[torch.Tensor]:
+        """The tensors a refresh writes and the column broadcast sends."""
+        self.allocate()
+        return self.state[which]
+
+    def _compute(self, which: Factor) -> list[torch.Tensor]:
+        pieces = self._pieces(which)
+        if not all(bool(torch.isfinite(p).all()) for p, _ in pieces):
+            raise DecompositionError("a use's factor holds NaN or Inf")
+        if self.kind(which) == "diagonal":
+            return [p.to(self.inv_dtype) for p, _ in pieces]
+        dtype = compute_dtype(pieces[0][0].dtype)
+        # The partial trace over the other side: each use weighted by its other
+        # factor's trace (K-FAC's eigenbasis when there is one use).
+        weights = [
+            p.to(dtype).sum() if not full else p.to(dtype).trace()
+            for p, full in self._pieces(_OTHER[which])
+        ]
+        mats = [p.to(dtype) if full else torch.diag(p.to(dtype)) for p, full in pieces]
+        total = sum((w * m for w, m in zip(weights, mats, strict=True)), torch.zeros_like(mats[0]))
+        q, _ = symmetric_eigen(total, dtype)
+        rho = [((m @ q) * q).sum(dim=0).clamp_(min=0.0) for m in mats]
+        return [q.to(self.inv_dtype), *(r.to(self.inv_dtype) for r in rho)]
+
+    def decompose(self, which: Factor, damping: float) -> bool:
+        """Refresh side ``which`` from the uses' running averages; ``False`` (state kept) on
+        failure, warned about."""
+        self.allocate()
+        try:
+            new = self._compute(which)
+        except DecompositionError as error:
+            warn(
+                f"kaisa: shared weight of {self.name!r} ({', '.join(self.names)}): side "
+                f"{which.upper()} could not be decomposed ({error}); keeping its previous "
+                "second-order state"
+            )
+            return False
+        for old, value in zip(self.state[which], new, strict=True):
+            old.copy_(value)
+        return True
+
+    def _basis_and_values(self, which: Factor) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        state = [t.to(self.work_dtype) for t in self.state_tensors(which)]
+        if len(state) > len(self.uses):
+            return state[0], state[1:]
+        return None, state
+
+    def eigenvalues(self) -> torch.Tensor:
+        """``Λ = Σ_u λ_u ρ_uᵀ`` (``m × n``): ``F``'s diagonal in the shared eigenbasis."""
+        _, lam = self._basis_and_values("g")
+        _, rho = self._basis_and_values("a")
+        return sum(
+            (torch.outer(g, a) for g, a in zip(lam, rho, strict=True)),
+            torch.zeros(
+                self.sizes["g"], self.sizes["a"], dtype=self.work_dtype, device=self.device
+            ),
+        )
+
+    def precondition(self, grad: torch.Tensor, damping: float) -> torch.Tensor:
+        """``Q_L [(Q_Lᵀ ∇ Q_R) ⊘ (Λ/s + γ)] Q_Rᵀ`` for the owner's ``(m, n)`` gradient."""
+        q_g, _ = self._basis_and_values("g")
+        q_a, _ = self._basis_and_values("a")
+        values = self.eigenvalues()
+        if self.relative:
+            values = values / mean_scale(values)
+        m = grad.to(self.work_dtype)
+        if q_g is not None:
+            m = q_g.t() @ m
+        if q_a is not None:
+            m = m @ q_a
+        m = m / values.add_(damping)
+        if q_g is not None:
+            m = q_g @ m
+        if q_a is not None:
+            m = m @ q_a.t()
+        return m.to(grad.dtype).contiguous()
+
+    # -- checkpoints -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, list[torch.Tensor]]:
+        return {which: [t.clone() for t in tensors] for which, tensors in self.state.items()}
+
+    def check_state(
+        self, saved: object, where: str, specs: Mapping[str, tuple[str, str]] | None = None
+    ) -> dict[Factor, list[torch.Tensor]]:
+        """A saved :meth:`state_dict`, checked for the uses' representations ``specs``
+        (shapes, finite, non-negative values); raises ``TypeError``/``ValueError``,
+        changes nothing."""
+        if not isinstance(saved, Mapping) or set(saved) != {"a", "g"}:
+            raise TypeError(f"{where}: 'shared' must be a dict of the sides 'a' and 'g'")
+        checked: dict[Factor, list[torch.Tensor]] = {}
+        sides: tuple[Factor, Factor] = ("a", "g")
+        for which in sides:
+            tensors = saved[which]
+            shapes = self.shapes(which, specs)
+            if not isinstance(tensors, (list, tuple)) or len(tensors) != len(shapes):
+                raise ValueError(
+                    f"{where}: shared second-order state of {which.upper()} must be "
+                    f"{len(shapes)} tensors of shapes {shapes} (uses {', '.join(self.names)})"
+                )
+            what = f"{where}: shared second-order state of {which.upper()}"
+            out = [
+                check_tensor(t, what, s, self.device, self.inv_dtype)
+                for t, s in zip(tensors, shapes, strict=True)
+            ]
+            values = out[1:] if len(shapes) > len(self.uses) else out
+            if any(v.numel() and float(v.min()) < 0.0 for v in values):
+                raise ValueError(
+                    f"{what} has negative eigenvalues (a sum of factors is positive semi-definite)"
+                )
+            checked[which] = out
+        return checked
+
+    def load(self, checked: Mapping[Factor, Sequence[torch.Tensor]] | None) -> None:
+        """Install a :meth:`check_state` result, or go back to the identity's state (``None``)."""
+        self.state = {}
+        self.allocate()
+        if checked is not None:
+            for which, tensors in checked.items():
+                for target, value in zip(self.state[which], tensors, strict=True):
+                    target.copy_(value)
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in self.state.values() for t in ts)

@@ -1,0 +1,97 @@
+"""A tied embedding and head on 2 gloo processes against 1 process (issue 29).
+
+The shared weight is one block (its owner's) with one set of gradient
+workers: with one gradient worker per layer (MEM-OPT) its shared state is
+computed on one rank and its preconditioned gradient broadcast to the
+other; with two (COMM-OPT) the decomposition is broadcast instead. Either
+way the weights follow the one-process run on the whole batch (up to float32
+summation order), and each rank's checkpoint carries the shared state where
+it works on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from harness import average_gradients, run_distributed
+from torch import nn
+
+import kaisa
+
+V, D, STEPS, BATCH = 13, 6, 5, 8
+TOLERANCE = 3e-6
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.mix = nn.Linear(D, D)
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.embed(idx))))
+
+
+def _train(rank: int, world_size: int, fraction: float) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Tied()
+    tokens = torch.randint(0, V, (STEPS, BATCH, 7), generator=torch.Generator().manual_seed(1))
+    pre = kaisa.KFACPreconditioner(
+        model,
+        factor_update_steps=1,
+        inv_update_steps=2,
+        curvature="exact",
+        lr=0.1,
+        grad_worker_fraction=fraction,
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    local = BATCH // world_size
+    for step in range(STEPS):
+        idx = tokens[step, rank * local : (rank + 1) * local]
+        optimizer.zero_grad()
+        F.cross_entropy(model(idx[:, :-1]).reshape(-1, V), idx[:, 1:].reshape(-1)).backward()
+        if world_size > 1:
+            average_gradients(model, world_size)
+        pre.step()
+        optimizer.step()
+    assignment = pre.plan.layer("embed")
+    state = pre.state_dict()["layers"]["embed"]
+    return {
+        "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+        "workers": assignment.grad_workers,
+        "has_shared": "shared" in state,
+    }
+
+
+def _worker(rank: int, world_size: int) -> dict[float, dict[str, Any]]:
+    return {f: _train(rank, world_size, f) for f in (0.5, 1.0)}
+
+
+def test_two_processes_follow_one_with_the_shared_block() -> None:
+    single = {f: _train(0, 1, f) for f in (0.5, 1.0)}
+    results = run_distributed(_worker, 2, timeout=120)
+    for f in (0.5, 1.0):
+        for rank in range(2):
+            got = results[rank][f]
+            torch.testing.assert_close(got["weights"], single[f]["weights"], rtol=0, atol=TOLERANCE)
+            assert got["has_shared"] == (rank in got["workers"])
+        assert len(results[0][f]["workers"]) == (1 if f == 0.5 else 2)
+    # The shared block moved the weights: not the plain SGD run.
+    torch.manual_seed(0)
+    assert not torch.allclose(single[1.0]["weights"], _plain_sgd(), atol=1e-4)
+
+
+def _plain_sgd() -> torch.Tensor:
+    model = Tied()
+    tokens = torch.randint(0, V, (STEPS, BATCH, 7), generator=torch.Generator().manual_seed(1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        idx = tokens[step]
+        optimizer.zero_grad()
+        F.cross_entropy(model(idx[:, :-1]).reshape(-1, V), idx[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
