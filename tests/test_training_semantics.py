@@ -566,13 +566,14 @@ def test_an_outlier_batch_is_not_folded_and_a_lasting_scale_is_taken_in() -> Non
         step(1.0, seed)
     conv = pre.layers[0].block
     clean = conv.a.diagonal().sum().item()
-    with pytest.warns(RuntimeWarning, match="outlier batch"):
-        step(1e6, 10)  # one batch of inputs x 1e6
+    step(1e6, 10)  # one batch of inputs x 1e6: held back
     assert conv.a.diagonal().sum().item() == pytest.approx(clean)
-    assert pre.telemetry.outlier_factor_updates >= 1
-    step(1.0, 11)
+    assert conv.outliers == 1 and pre.telemetry.outlier_factor_updates == 0
+    with pytest.warns(RuntimeWarning, match="outlier batch"):
+        step(1.0, 11)  # back to the average's scale: the held batch was an outlier
+    assert pre.telemetry.outlier_factor_updates == len(pre.layers)  # both layers took it
     assert conv.a.diagonal().sum().item() < 10 * clean  # the spike never entered
-    # A lasting change of scale: refused OUTLIER_PATIENCE times, then taken in.
+    # A lasting change of scale: held OUTLIER_PATIENCE times, then taken in.
     for k in range(OUTLIER_PATIENCE):
         step(1e3, 20 + k)
         assert conv.a.diagonal().sum().item() < 10 * clean
