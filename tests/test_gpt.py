@@ -165,7 +165,7 @@ def test_bad_inputs_raise() -> None:
 
 def test_kaisa_registers_every_linear_and_both_embeddings() -> None:
     model = GPT()
-    pre = kaisa.KFACPreconditioner(model)
+    pre = kaisa.KFACPreconditioner(model, lr=0.1)
     names = {layer.name for layer in pre.layers}
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert names == linears | {"tok_embed", "pos_embed"}
@@ -183,7 +183,7 @@ def test_kaisa_leaves_the_tied_embedding_raw_with_the_shared_parameter_warning()
     """What the library does today with a tied head: both uses raw, one warning naming both."""
     model = GPT(tied_head=True)
     with pytest.warns(UserWarning, match="shares a parameter") as caught:
-        pre = kaisa.KFACPreconditioner(model)
+        pre = kaisa.KFACPreconditioner(model, lr=0.1)
     text = " ".join(str(w.message) for w in caught)
     assert "'tok_embed'" in text and "'head'" in text
     names = {layer.name for layer in pre.layers}

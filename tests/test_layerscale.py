@@ -57,7 +57,7 @@ def test_layer_scale_growth_is_taken_in_and_a_spike_is_still_refused(interval: i
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     pre = kaisa.KFACPreconditioner(
         model,
-        lr=1e-2,
+        optimizer=opt,
         curvature="exact",
         factor_update_steps=interval,
         inv_update_steps=interval,
@@ -109,7 +109,7 @@ def test_layer_scale_with_the_defaults_warns_of_no_outlier() -> None:
     """kaisa's defaults (automatic representations and intervals) over 60 steps."""
     model = LayerScaleNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    pre = kaisa.KFACPreconditioner(model, lr=1e-2)
+    pre = kaisa.KFACPreconditioner(model, optimizer=opt)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for seed in range(60):

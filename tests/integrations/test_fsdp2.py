@@ -172,7 +172,7 @@ def _tensor_parallel(rank: int, world_size: int) -> str:
     mesh = init_device_mesh("cpu", (world_size,))
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     try:
-        kaisa.KFACPreconditioner(model)
+        kaisa.KFACPreconditioner(model, lr=0.1)
     except ValueError as error:
         return str(error)
     return "accepted"
