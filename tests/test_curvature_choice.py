@@ -698,7 +698,7 @@ def test_bad_curvature_arguments(
     kwargs: dict[str, Any], error: type[Exception], message: str
 ) -> None:
     with pytest.raises(error, match=message):
-        kaisa.KFACPreconditioner(TenWide(), **kwargs)
+        kaisa.KFACPreconditioner(TenWide(), lr=0.1, **kwargs)
 
 
 def test_good_curvature_arguments() -> None:
