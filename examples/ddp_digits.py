@@ -44,7 +44,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     preconditioner = kaisa.KFACPreconditioner(  # line one
         model,
-        lr=0.05,
+        optimizer=optimizer,  # KL clipping reads its lr at every step
         damping=0.01,
         factor_update_steps=1,
         inv_update_steps=10,

@@ -2,7 +2,7 @@
 
 Two lines in an existing training loop::
 
-    preconditioner = kaisa.KFACPreconditioner(model)
+    preconditioner = kaisa.KFACPreconditioner(model, optimizer=optimizer)
     ...
     loss.backward()
     preconditioner.step()

@@ -9,7 +9,7 @@ what is allowed.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,6 +152,45 @@ HALF_REFUSED = (
 )
 
 
+#: Why a preconditioner with KL clipping on and no learning rate is refused.
+LR_REQUIRED = (
+    "KL clipping (kl_clip={kl_clip!r}) needs the learning rate the optimizer steps with: "
+    "pass optimizer=<your optimizer> (its param_groups[0]['lr'] is read at every step, so "
+    "it follows a scheduler), or lr=<a number, or a callable step -> lr>; or turn KL "
+    "clipping off with kl_clip=None"
+)
+
+
+class OptimizerLR:
+    """``lr`` read from an optimizer at every step: its first parameter group's ``'lr'``.
+
+    The first group's, as the framework integrations read it; with groups at
+    different rates, pass ``lr=`` (a callable may combine them).
+    """
+
+    __slots__ = ("optimizer",)
+
+    def __init__(self, optimizer: Any) -> None:
+        groups = getattr(optimizer, "param_groups", None)
+        if not isinstance(groups, list) or not groups or not isinstance(groups[0], Mapping):
+            raise TypeError(
+                "optimizer must be a torch.optim.Optimizer (its param_groups[0]['lr'] is read "
+                f"at every step for KL clipping); got {type(optimizer).__name__}"
+            )
+        if "lr" not in groups[0]:
+            raise ValueError(
+                f"optimizer ({type(optimizer).__name__}) has no 'lr' in param_groups[0]; pass "
+                "lr= (a number, or a callable step -> lr) instead"
+            )
+        self.optimizer = optimizer
+
+    def __call__(self, step: int) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def __repr__(self) -> str:
+        return f"<{type(self.optimizer).__name__}.param_groups[0]['lr']>"
+
+
 @dataclass(frozen=True)
 class StepHyper:
     """Every hyperparameter's value at one step (:meth:`KFACOptions.resolve`)."""
@@ -178,7 +217,12 @@ class KFACOptions:
             solve is regularised; a singular factor would give inf or NaN).
         factor_decay: running-average decay ``ξ`` in ``[0, 1)``.
         kl_clip: KL-clipping bound ``κ`` (> 0), or ``None`` to turn clipping off.
-        lr: learning rate used by KL clipping (should follow the optimizer's).
+        lr: the learning rate KL clipping assumes (a number or a schedule;
+            ``None``: not given). Required while ``kl_clip`` is on, unless
+            ``optimizer`` is given; unused (and optional) with ``kl_clip=None``.
+        optimizer: the optimizer that steps after the preconditioner; KL
+            clipping then reads its ``param_groups[0]['lr']`` at every step
+            (so it follows any scheduler). Give it or ``lr``, not both.
         accumulation_steps: forward/backward passes per ``step()`` (default 1;
             with a DeepSpeed engine, its ``gradient_accumulation_steps``).
         allreduce_bucket_cap_mb: size bound of one factor all-reduce bucket.
@@ -282,7 +326,8 @@ class KFACOptions:
     damping: Any = 0.03
     factor_decay: Any = None
     kl_clip: Any = 0.003
-    lr: Any = 0.1
+    lr: Any = None
+    optimizer: Any = field(default=None, repr=False, compare=False)
     accumulation_steps: int = 1
     allreduce_bucket_cap_mb: float = 25.0
     assignment_strategy: AssignmentStrategy = "compute"
@@ -341,8 +386,18 @@ class KFACOptions:
             "factor_decay": Hyperparameter(
                 Rule("factor_decay", low=0.0, high=1.0, high_open=True), value("factor_decay")
             ),
-            "lr": Hyperparameter(Rule("lr", low=0.0), self.lr),
         }
+        lr = self.lr
+        if self.optimizer is not None:
+            if lr is not None:
+                raise ValueError(
+                    "give KL clipping its learning rate either as lr= or as optimizer= (read "
+                    f"at every step), not both; got lr={lr!r} and optimizer="
+                    f"{type(self.optimizer).__name__}"
+                )
+            lr = OptimizerLR(self.optimizer)
+        if lr is not None:
+            hyper["lr"] = Hyperparameter(Rule("lr", low=0.0), lr)
         if self.kl_clip is not None:
             hyper["kl_clip"] = Hyperparameter(Rule("kl_clip", low=0.0, low_open=True), self.kl_clip)
         set_(self, "hyper", _ReadOnly(hyper))
@@ -416,6 +471,8 @@ class KFACOptions:
             skip = ()
         if isinstance(skip, str):
             skip = (skip,)
+        elif isinstance(skip, Iterable) and not isinstance(skip, (list, tuple)):
+            skip = list(skip)  # a set, a generator
         if not isinstance(skip, (list, tuple)) or not all(isinstance(p, str) for p in skip):
             raise TypeError(
                 f"skip_layers must be a regular expression or a list of them; got {skip!r}"
@@ -437,6 +494,9 @@ class KFACOptions:
                 f"time_budget must be a finite number > 0 (K-FAC's share of the layers' "
                 f"work per step, e.g. 0.1); got {budget!r}"
             )
+        # Last: an argument that is wrong is named before one that is missing.
+        if "lr" not in hyper and self.kl_clip is not None:
+            raise ValueError(LR_REQUIRED.format(kl_clip=self.kl_clip))
 
     def dtypes(self, weight_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
         """``(factor, second-order, product)`` dtypes for weights of ``weight_dtype``.
@@ -493,7 +553,8 @@ class KFACOptions:
             damping=hyper["damping"].at(step),
             factor_decay=decay,
             kl_clip=None if kl_clip is None else kl_clip.at(step),
-            lr=hyper["lr"].at(step),
+            # Read by KL clipping only: without it, lr may be left out.
+            lr=hyper["lr"].at(step) if "lr" in hyper else 0.0,
         )
 
     def factor_interval(self, step: int, chosen: tuple[int, int] | None = None) -> int:

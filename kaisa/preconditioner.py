@@ -89,7 +89,7 @@ class KFACPreconditioner:
     (KL clipping). It never changes weights, so any ``torch.optim`` optimizer,
     scheduler, gradient scaler or data-parallel wrapper can follow it::
 
-        preconditioner = kaisa.KFACPreconditioner(model)
+        preconditioner = kaisa.KFACPreconditioner(model, optimizer=optimizer)
         ...
         loss.backward()
         preconditioner.step()
@@ -110,6 +110,8 @@ class KFACPreconditioner:
         **options: every other argument is an option, named and meant as in the
             published KAISA implementation where it has one, each documented
             (allowed values, defaults) on :class:`kaisa.options.KFACOptions`.
+            KL clipping (on by default) needs ``optimizer=`` (its current
+            learning rate is read at every step) or ``lr=``.
 
     ``factor_update_steps``, ``inv_update_steps`` and ``factor_decay`` default
     to ``None``: chosen by the budget (the decay keeps a 200-step averaging
@@ -127,7 +129,8 @@ class KFACPreconditioner:
         damping: float | Callable[[int], float] = 0.03,
         factor_decay: float | Callable[[int], float] | None = None,
         kl_clip: float | Callable[[int], float] | None = 0.003,
-        lr: float | Callable[[int], float] = 0.1,
+        lr: float | Callable[[int], float] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         accumulation_steps: int | None = None,
         allreduce_bucket_cap_mb: float = 25.0,
         assignment_strategy: str = "compute",
@@ -161,8 +164,6 @@ class KFACPreconditioner:
         grad_access = select_engine(model)
         accumulation_steps = grad_access.accumulation_steps(accumulation_steps)
         grad_scaler = grad_access.grad_scaler(grad_scaler)
-        if isinstance(skip_layers, Iterable) and not isinstance(skip_layers, (str, list, tuple)):
-            skip_layers = list(skip_layers)
         # Every argument but the model and the group is an option, checked there.
         given = locals()
         self.options = options = KFACOptions(
@@ -270,10 +271,9 @@ class KFACPreconditioner:
     def with_reference_defaults(cls, model: nn.Module, **kwargs: Any) -> KFACPreconditioner:
         """A preconditioner with the published KAISA implementation's defaults.
 
-        :data:`kaisa.options.REFERENCE_DEFAULTS` (exact curvature, factors and
-        inverses every step, absolute damping 0.001, decay 0.95, KL clip 0.001,
-        identity start); any argument given here wins.
-        """
+        :data:`kaisa.options.REFERENCE_DEFAULTS` (exact curvature, factors and inverses
+        every step, absolute damping 0.001, decay 0.95, KL clip 0.001, identity start);
+        any argument given here wins."""
         return cls(model, **{**REFERENCE_DEFAULTS, **kwargs})
 
     # -- plan, blocks and the automatic choice -------------------------------------------

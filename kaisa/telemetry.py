@@ -68,7 +68,8 @@ class Telemetry:
         last_step_elements: ``elements`` of the most recent ``step()`` only.
         steps: ``step()`` calls counted.
         skipped_factor_updates: factor updates dropped because of NaN/Inf.
-        outlier_factor_updates: layer factor updates refused as outlier batches.
+        outlier_factor_updates: layer batch factors refused as outlier batches (held
+            back, and the next update was back at the running average's scale).
         failed_decompositions: decompositions that failed (state kept).
         float64_decompositions: float32 eigendecompositions redone in float64
             because the damped solve would have been inaccurate

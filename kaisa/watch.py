@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kaisa.attachment import Structure
-from kaisa.curvature.block import HELD_FACTOR_WARNING, OUTLIER_PATIENCE, OUTLIER_RATIO
+from kaisa.curvature.block import HELD_FACTOR_WARNING, OUTLIER_RATIO
 from kaisa.curvature.fold import SKIPPED_IN_A_ROW, FoldOutcome
 from kaisa.engines.base import LossScale
 from kaisa.roster import Layer
@@ -102,14 +102,24 @@ class Watch:
         payloads: Mapping[str, Mapping[Any, tuple[torch.Tensor, float]]],
         product_dtype: torch.dtype,
     ) -> None:
-        """A factor update's outcome: outlier batches, and skips that keep coming (once each)."""
+        """A factor update's outcome: outlier batches (once per layer), lasting changes of
+        scale (logged), and skips that keep coming (once)."""
         for name in outcome.outliers:
             if self.once(f"outlier {name}"):
                 warn(
                     f"kaisa: layer {name!r}: a batch factor over {OUTLIER_RATIO:g}x its "
-                    "running average (an outlier batch) was not folded; kaisa takes such a "
-                    f"scale in after {OUTLIER_PATIENCE} in a row (reported once per layer)"
+                    "running average was not folded: the next factor update was back at the "
+                    "average's scale, so it was an outlier batch (a scale that stays beyond "
+                    "the ratio for two updates in a row is taken in; reported once per layer)"
                 )
+        for name in outcome.rescaled:
+            log.info(
+                "kaisa: layer %r: a second batch factor in a row over %gx the running average; "
+                "the scale changed for good (e.g. a LayerScale growing): the average restarts "
+                "from it",
+                name,
+                OUTLIER_RATIO,
+            )
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if outcome.skipped else 0
         if self.skipped_in_a_row >= SKIPPED_IN_A_ROW:
             self.skipped(self.skipped_in_a_row, payloads, product_dtype)

@@ -163,7 +163,7 @@ def test_a_slow_iteration_widens_the_budget_after_calibration(clock: Clock) -> N
     torch.manual_seed(0)
     model = SlowMLP(clock, pass_seconds=1.0)  # far slower than its multiply-adds
     pre = kaisa.KFACPreconditioner(
-        model, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
+        model, lr=0.1, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
     )
     first = choose_curvature(mlp_work(), 0.01)
     calibrated = choose_curvature(mlp_work(), 0.01, scale=MAX_TIME_SCALE, calibrated=True)
@@ -186,7 +186,7 @@ def test_a_slow_iteration_widens_the_budget_after_calibration(clock: Clock) -> N
 def test_an_iteration_as_fast_as_modelled_keeps_the_choice(clock: Clock) -> None:
     model = SlowMLP(clock, pass_seconds=0.0)
     pre = kaisa.KFACPreconditioner(
-        model, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
+        model, lr=0.1, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
     )
     choices = train(model, pre, range(CALIBRATION_STEPS + 2))
     first = choose_curvature(mlp_work(), 0.01)
@@ -203,7 +203,7 @@ def test_an_iteration_as_fast_as_modelled_keeps_the_choice(clock: Clock) -> None
 def test_calibrate_budget_false_keeps_the_cost_models_choice(clock: Clock) -> None:
     model = SlowMLP(clock, pass_seconds=1.0)
     pre = kaisa.KFACPreconditioner(
-        model, time_budget=0.01, calibrate_budget=False, cost_model=NO_OPERATORS
+        model, lr=0.1, time_budget=0.01, calibrate_budget=False, cost_model=NO_OPERATORS
     )
     choices = train(model, pre, range(CALIBRATION_STEPS + 3))
     assert choices == [choose_curvature(mlp_work(), 0.01)] * (CALIBRATION_STEPS + 3)
@@ -211,7 +211,7 @@ def test_calibrate_budget_false_keeps_the_cost_models_choice(clock: Clock) -> No
 
 def test_calibrate_budget_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="calibrate_budget must be True or False"):
-        kaisa.KFACPreconditioner(nn.Linear(4, 2), calibrate_budget=1)  # type: ignore[arg-type]
+        kaisa.KFACPreconditioner(nn.Linear(4, 2), lr=0.1, calibrate_budget=1)  # type: ignore[arg-type]
 
 
 @pytest.mark.filterwarnings("ignore:kaisa. time_budget")
@@ -219,7 +219,7 @@ def test_a_calibrated_choice_survives_a_checkpoint(clock: Clock) -> None:
     torch.manual_seed(0)
     model = SlowMLP(clock, pass_seconds=1.0)
     pre = kaisa.KFACPreconditioner(
-        model, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
+        model, lr=0.1, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
     )
     train(model, pre, range(CALIBRATION_STEPS + 2))
     choice = pre.curvature_choice
@@ -231,7 +231,7 @@ def test_a_calibrated_choice_survives_a_checkpoint(clock: Clock) -> None:
     fresh_model = SlowMLP(clock, pass_seconds=0.0)  # would measure a scale of 1
     fresh_model.load_state_dict(model.state_dict())
     fresh = kaisa.KFACPreconditioner(
-        fresh_model, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
+        fresh_model, lr=0.1, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
     )
     fresh.load_state_dict(state)
     assert train(fresh_model, fresh, range(CALIBRATION_STEPS + 2)) == [choice] * (
@@ -244,7 +244,7 @@ def test_a_choice_saved_before_calibration_is_calibrated_after_loading(clock: Cl
     torch.manual_seed(0)
     model = SlowMLP(clock, pass_seconds=1.0)
     pre = kaisa.KFACPreconditioner(
-        model, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
+        model, lr=0.1, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
     )
     train(model, pre, range(2))
     state = pre.state_dict()
@@ -253,7 +253,7 @@ def test_a_choice_saved_before_calibration_is_calibrated_after_loading(clock: Cl
     assert (saved_choice.pop("time_scale"), saved_choice.pop("calibrated")) == (1.0, False)
     state["curvature_choice"] = saved_choice
     fresh = kaisa.KFACPreconditioner(
-        model, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
+        model, lr=0.1, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
     )
     fresh.load_state_dict(state)
     choices = train(model, fresh, range(2, 2 + CALIBRATION_STEPS + 1))
@@ -275,13 +275,17 @@ def test_a_malformed_calibration_in_a_checkpoint_is_refused(
 ) -> None:
     model = SlowMLP(clock, pass_seconds=0.0)
     pre = kaisa.KFACPreconditioner(
-        model, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
+        model, lr=0.1, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
     )
     train(model, pre, range(1))
     state = pre.state_dict()
     state["curvature_choice"] = {**state["curvature_choice"], key: value}
     fresh = kaisa.KFACPreconditioner(
-        SlowMLP(clock, 0.0), time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
+        SlowMLP(clock, 0.0),
+        lr=0.1,
+        time_budget=0.01,
+        calibrate_budget=True,
+        cost_model=NO_OPERATORS,
     )
     with pytest.raises((TypeError, ValueError), match=error):
         fresh.load_state_dict(state)

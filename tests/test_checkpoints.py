@@ -141,6 +141,7 @@ FIXED: dict[str, Any] = dict(
     factor_decay=0.8,
     damping=0.01,
     kl_clip=1e-3,
+    lr=0.1,
 )
 #: A well-formed automatic choice that agrees with MIXED.
 CHOICE: dict[str, Any] = dict(
@@ -647,6 +648,7 @@ PENDING: dict[str, Any] = dict(
     factor_update_steps=1,
     inv_update_steps=2,
     factor_decay=0.8,
+    lr=0.1,
 )
 
 
@@ -959,7 +961,7 @@ def test_a_format_1_checkpoint_loads_into_exact_layers_only() -> None:
     for mine, theirs in zip(fresh.layers, pre.layers, strict=True):
         assert torch.equal(mine.block.a, theirs.block.a) and mine.block.updates == TRAINED
     # Not into a preconditioner that leaves the curvature to the automatic choice.
-    auto = kaisa.KFACPreconditioner(Net(), factor_update_steps=1, inv_update_steps=2)
+    auto = kaisa.KFACPreconditioner(Net(), lr=0.1, factor_update_steps=1, inv_update_steps=2)
     before = everything(auto)
     with pytest.raises(ValueError, match=r"leaves fc1.A, fc1.G, .* to curvature='auto'"):
         auto.load_state_dict(old)

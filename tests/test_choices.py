@@ -34,7 +34,7 @@ def test_the_constructor_accepts_each_value_and_names_them_all_when_refusing(
     option: str, allowed: tuple[str, ...]
 ) -> None:
     for value in allowed:
-        kaisa.KFACPreconditioner(nn.Linear(3, 2), **{option: value})
+        kaisa.KFACPreconditioner(nn.Linear(3, 2), lr=0.1, **{option: value})
     with pytest.raises(ValueError, match=option) as caught:
         kaisa.KFACPreconditioner(nn.Linear(3, 2), **{option: "bogus"})
     for value in allowed:

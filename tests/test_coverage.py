@@ -52,7 +52,7 @@ def test_a_tied_parameter_with_two_biases_is_left_raw_with_a_warning_naming_it()
     model.back = nn.Linear(8, 11)
     model.back.weight = model.embed.weight  # the same (11, 8) weight, with a second bias
     with pytest.warns(UserWarning, match="shares a parameter") as caught:
-        pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
+        pre = kaisa.KFACPreconditioner(model, lr=0.1, factor_update_steps=1, inv_update_steps=1)
     text = " ".join(str(w.message) for w in caught)
     assert "'embed'" in text and "'head'" in text
     names = [layer.name for layer in pre.layers]
@@ -72,7 +72,7 @@ def test_coverage_lists_every_trainable_parameter_with_its_treatment() -> None:
     model = TiedLM()
     model.head.weight = nn.Parameter(torch.randn(11, 8))  # untied
     model.head.bias.requires_grad_(False)
-    pre = kaisa.KFACPreconditioner(model, skip_layers=[r"linear2"])
+    pre = kaisa.KFACPreconditioner(model, lr=0.1, skip_layers=[r"linear2"])
     coverage = pre.coverage()
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert [t.parameter for t in coverage] == trainable
@@ -102,7 +102,7 @@ def test_coverage_lists_every_trainable_parameter_with_its_treatment() -> None:
 def test_a_layer_called_twice_gathers_curvature_from_both_calls() -> None:
     shared = nn.Linear(4, 4)
     model = nn.Sequential(shared, nn.Tanh(), shared)
-    pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, curvature="exact")
+    pre = kaisa.KFACPreconditioner(model, lr=0.1, factor_update_steps=1, curvature="exact")
     assert [layer.name for layer in pre.layers] == ["0"]
     model(torch.randn(6, 4)).sum().backward()
     layer = pre.layers[0]
@@ -112,7 +112,7 @@ def test_a_layer_called_twice_gathers_curvature_from_both_calls() -> None:
 
 def test_conv1d_is_registered() -> None:
     model = nn.Sequential(nn.Conv1d(3, 4, 3, padding=1), nn.Flatten(), nn.Linear(4 * 9, 2))
-    pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
+    pre = kaisa.KFACPreconditioner(model, lr=0.1, factor_update_steps=1, inv_update_steps=1)
     assert [layer.name for layer in pre.layers] == ["0", "2"]
     F.cross_entropy(model(torch.randn(5, 3, 9)), torch.randint(0, 2, (5,))).backward()
     raw = model[0].weight.grad.clone()
@@ -124,7 +124,7 @@ def test_conv1d_is_registered() -> None:
 def test_a_grouped_conv1d_is_skipped_with_a_warning() -> None:
     model = nn.Sequential(nn.Conv1d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(4, 2))
     with pytest.warns(UserWarning, match="groups=2"):
-        pre = kaisa.KFACPreconditioner(model)
+        pre = kaisa.KFACPreconditioner(model, lr=0.1)
     assert [layer.name for layer in pre.layers] == ["2"]
 
 
@@ -133,7 +133,7 @@ def test_skip_layers_on_a_container_leaves_everything_inside_it_raw() -> None:
     torch.manual_seed(0)
     model = TiedLM()
     model.head.weight = nn.Parameter(torch.randn(11, 8))
-    pre = kaisa.KFACPreconditioner(model, skip_layers=["TransformerEncoderLayer"])
+    pre = kaisa.KFACPreconditioner(model, lr=0.1, skip_layers=["TransformerEncoderLayer"])
     assert [layer.name for layer in pre.layers] == ["embed", "head"]
     raw = {t.parameter: t.reason for t in pre.coverage().raw()}
     inside = [n for n, _ in model.named_parameters() if n.startswith("encoder.layers.0.")]
@@ -148,7 +148,7 @@ def test_every_weight_matrix_of_a_standard_transformer_is_preconditioned() -> No
     torch.manual_seed(0)
     model = TiedLM()
     model.head.weight = nn.Parameter(torch.randn(11, 8))
-    pre = kaisa.KFACPreconditioner(model)
+    pre = kaisa.KFACPreconditioner(model, lr=0.1)
     coverage = pre.coverage()
     matrices = {n for n, p in model.named_parameters() if p.ndim >= 2}
     assert matrices == {
@@ -170,7 +170,7 @@ def test_every_weight_matrix_of_a_standard_transformer_is_preconditioned() -> No
 
 def test_layers_is_a_read_only_view_of_the_registered_layers() -> None:
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Embedding(5, 3))
-    pre = kaisa.KFACPreconditioner(model)
+    pre = kaisa.KFACPreconditioner(model, lr=0.1)
     view = pre.layers
     assert [layer.name for layer in view] == ["0", "2"]
     assert view[0].module is model[0] and view[0].kind == "kronecker (linear)"

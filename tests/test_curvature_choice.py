@@ -490,7 +490,7 @@ def specs_of(pre: kaisa.KFACPreconditioner) -> dict[str, tuple[str, str]]:
 
 
 def test_the_defaults() -> None:
-    pre = kaisa.KFACPreconditioner(MLP(), cost_model=NO_OPERATORS)
+    pre = kaisa.KFACPreconditioner(MLP(), lr=0.1, cost_model=NO_OPERATORS)
     options = pre.options
     assert (options.curvature, options.time_budget) == ("auto", 0.1)
     assert (options.damping, options.damping_mode, options.kl_clip) == (0.03, "relative", 0.003)
@@ -509,7 +509,7 @@ def test_the_defaults() -> None:
 
 def test_an_unmeetable_budget_warns_once_and_takes_the_cheapest() -> None:
     model = MLP()
-    pre = kaisa.KFACPreconditioner(model, cost_model=NO_OPERATORS, time_budget=1e-6)
+    pre = kaisa.KFACPreconditioner(model, lr=0.1, cost_model=NO_OPERATORS, time_budget=1e-6)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # Two factor-update steps (0 and MAX_FACTOR_STEPS) and two inverse updates.
@@ -534,7 +534,7 @@ def test_an_unmeetable_budget_warns_once_and_takes_the_cheapest() -> None:
 
 def test_the_budget_warning_points_at_the_callers_step() -> None:
     model = MLP()
-    pre = kaisa.KFACPreconditioner(model, cost_model=NO_OPERATORS, time_budget=1e-6)
+    pre = kaisa.KFACPreconditioner(model, lr=0.1, cost_model=NO_OPERATORS, time_budget=1e-6)
     x, y = batch(0)
     F.cross_entropy(model(x), y).backward()
     with pytest.warns(RuntimeWarning, match=UNMEETABLE) as caught:
@@ -545,7 +545,11 @@ def test_the_budget_warning_points_at_the_callers_step() -> None:
 def test_a_per_layer_override_is_kept_and_the_rest_is_chosen() -> None:
     model = MLP()
     pre = kaisa.KFACPreconditioner(
-        model, cost_model=NO_OPERATORS, curvature={"fc1": ("kvec", "auto")}, time_budget=1e-6
+        model,
+        lr=0.1,
+        cost_model=NO_OPERATORS,
+        curvature={"fc1": ("kvec", "auto")},
+        time_budget=1e-6,
     )
     assert pre.options.fixed_sides("fc1") == ("kvec", None)
     assert pre.options.fixed_sides("fc2") == (None, None)
@@ -560,7 +564,7 @@ def test_a_per_layer_override_is_kept_and_the_rest_is_chosen() -> None:
 def test_an_override_of_every_side_leaves_only_the_intervals() -> None:
     model = MLP()
     pre = kaisa.KFACPreconditioner(
-        model, cost_model=NO_OPERATORS, curvature=("exact", "kvec"), time_budget=1e6
+        model, lr=0.1, cost_model=NO_OPERATORS, curvature=("exact", "kvec"), time_budget=1e6
     )
     run(model, pre, range(1))
     assert specs_of(pre) == {"fc1": ("exact", "kvec"), "fc2": ("exact", "kvec")}
@@ -578,7 +582,11 @@ def test_fixed_intervals_are_kept_and_the_decay_follows_them(
     """``factor_decay=None``: ``1 − F/200``, kept within [0.5, 0.95]."""
     model = MLP()
     pre = kaisa.KFACPreconditioner(
-        model, cost_model=NO_OPERATORS, factor_update_steps=factor_update_steps, time_budget=1e6
+        model,
+        lr=0.1,
+        cost_model=NO_OPERATORS,
+        factor_update_steps=factor_update_steps,
+        time_budget=1e6,
     )
     run(model, pre, range(11))
     choice = pre.curvature_choice
@@ -596,12 +604,12 @@ def test_fixed_intervals_are_kept_and_the_decay_follows_them(
 
 def test_a_chosen_interval_sets_the_decay() -> None:
     model = MLP()
-    pre = kaisa.KFACPreconditioner(model, cost_model=NO_OPERATORS, time_budget=1e-6)
+    pre = kaisa.KFACPreconditioner(model, lr=0.1, cost_model=NO_OPERATORS, time_budget=1e-6)
     with pytest.warns(RuntimeWarning, match=UNMEETABLE):
         run(model, pre, range(1))
     assert pre.hyperparameter("factor_decay") == pytest.approx(1 - MAX_FACTOR_STEPS / 200)
     fixed = kaisa.KFACPreconditioner(
-        MLP(), cost_model=NO_OPERATORS, time_budget=1e-6, factor_decay=0.7
+        MLP(), lr=0.1, cost_model=NO_OPERATORS, time_budget=1e-6, factor_decay=0.7
     )
     with pytest.warns(RuntimeWarning, match=UNMEETABLE):
         run(fixed.model, fixed, range(1))
@@ -609,7 +617,9 @@ def test_a_chosen_interval_sets_the_decay() -> None:
 
 
 def test_nothing_left_to_choose_but_the_decay_is_not_a_budget_choice() -> None:
-    options: dict[str, Any] = dict(curvature="exact", factor_update_steps=1, inv_update_steps=1)
+    options: dict[str, Any] = dict(
+        curvature="exact", factor_update_steps=1, inv_update_steps=1, lr=0.1
+    )
     model = MLP()
     pending = kaisa.KFACPreconditioner(model, cost_model=NO_OPERATORS, **options)
     decided = kaisa.KFACPreconditioner(copy.deepcopy(model), factor_decay=0.95, **options)
@@ -688,7 +698,7 @@ def test_bad_curvature_arguments(
     kwargs: dict[str, Any], error: type[Exception], message: str
 ) -> None:
     with pytest.raises(error, match=message):
-        kaisa.KFACPreconditioner(TenWide(), **kwargs)
+        kaisa.KFACPreconditioner(TenWide(), lr=0.1, **kwargs)
 
 
 def test_good_curvature_arguments() -> None:
@@ -701,7 +711,7 @@ def test_good_curvature_arguments() -> None:
         {r"fc\d": ("lowrank:2", "exact")},
         {"nothing matches": "kvec"},
     ):
-        kaisa.KFACPreconditioner(TenWide(), curvature=curvature)  # type: ignore[arg-type]
+        kaisa.KFACPreconditioner(TenWide(), lr=0.1, curvature=curvature)  # type: ignore[arg-type]
 
 
 # -- reference defaults -------------------------------------------------------------------------
@@ -710,7 +720,7 @@ def test_good_curvature_arguments() -> None:
 def test_with_reference_defaults_restores_the_published_semantics() -> None:
     saved = dict(REFERENCE_DEFAULTS)
     model = MLP()
-    pre = kaisa.KFACPreconditioner.with_reference_defaults(model)
+    pre = kaisa.KFACPreconditioner.with_reference_defaults(model, lr=0.1)
     for name, value in REFERENCE_DEFAULTS.items():
         assert getattr(pre.options, name) == value, name
     assert pre.options.auto == frozenset()
@@ -730,7 +740,7 @@ def test_with_reference_defaults_restores_the_published_semantics() -> None:
     assert [layer.block.updates for layer in pre.layers] == [3, 3]
     # Given arguments win; the table itself is left alone.
     other = kaisa.KFACPreconditioner.with_reference_defaults(
-        MLP(), damping=0.5, curvature="kvec", factor_init="first_batch"
+        MLP(), lr=0.1, damping=0.5, curvature="kvec", factor_init="first_batch"
     )
     assert (other.options.damping, other.options.curvature) == (0.5, "kvec")
     assert (other.options.factor_init, other.options.damping_mode) == ("first_batch", "absolute")
@@ -747,6 +757,7 @@ CHECKPOINT_OPTIONS: dict[str, Any] = dict(
     time_budget=1e-6,
     factor_update_steps=1,
     inv_update_steps=2,
+    lr=0.1,
 )
 SAVE_AT, STOP_AT = 3, 8
 
@@ -828,6 +839,7 @@ def test_a_low_rank_checkpoint_resumes_bit_identically() -> None:
         factor_update_steps=1,
         inv_update_steps=2,
         factor_decay=0.9,
+        lr=0.1,
     )
     torch.manual_seed(3)
     model = MLP()

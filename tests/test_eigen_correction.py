@@ -16,6 +16,7 @@ OPTIONS = {
     "factor_update_steps": 2,
     "inv_update_steps": 4,
     "calibrate_budget": False,
+    "lr": 0.1,
 }
 
 

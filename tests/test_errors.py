@@ -92,12 +92,12 @@ def test_bad_argument(kwargs: dict[str, Any], error: type[Exception], message: s
 
 def test_not_a_module() -> None:
     with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module; got str"):
-        kaisa.KFACPreconditioner("resnet")  # type: ignore[arg-type]
+        kaisa.KFACPreconditioner("resnet", lr=0.1)  # type: ignore[arg-type]
 
 
 def test_unknown_keyword_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="unexpected keyword argument 'dampening'"):
-        kaisa.KFACPreconditioner(model(), dampening=0.1)  # type: ignore[call-arg]
+        kaisa.KFACPreconditioner(model(), lr=0.1, dampening=0.1)  # type: ignore[call-arg]
 
 
 def test_good_values_are_accepted() -> None:

@@ -165,7 +165,7 @@ def test_bad_inputs_raise() -> None:
 
 def test_kaisa_registers_every_linear_and_both_embeddings() -> None:
     model = GPT()
-    pre = kaisa.KFACPreconditioner(model)
+    pre = kaisa.KFACPreconditioner(model, lr=0.1)
     names = {layer.name for layer in pre.layers}
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert names == linears | {"tok_embed", "pos_embed"}
@@ -184,7 +184,7 @@ def test_kaisa_preconditions_the_tied_embedding_with_both_uses_curvature() -> No
     model = GPT(tied_head=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        pre = kaisa.KFACPreconditioner(model)
+        pre = kaisa.KFACPreconditioner(model, lr=0.1)
     names = {layer.name for layer in pre.layers}
     assert {"tok_embed", "head", "pos_embed", "blocks.2.mlp.proj"} <= names
     coverage = {t.parameter: t for t in pre.coverage()}

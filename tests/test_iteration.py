@@ -67,6 +67,7 @@ def make(model: nn.Module, **options: object) -> kaisa.KFACPreconditioner:
         "inv_dtype": D,
         "factor_update_steps": 1,
         "inv_update_steps": 1,
+        "lr": 0.1,
     }
     settings.update(options)
     return kaisa.KFACPreconditioner(model, **settings)  # type: ignore[arg-type]

@@ -46,6 +46,7 @@ def make(net: nn.Module, **options: object) -> kaisa.KFACPreconditioner:
         "curvature": "exact",
         "factor_update_steps": 1,
         "inv_update_steps": 1,
+        "lr": 0.1,
     }
     settings.update(options)
     return kaisa.KFACPreconditioner(net, **settings)  # type: ignore[arg-type]

@@ -54,7 +54,7 @@ def _run(seed: int, steps: int = 12, **options: object) -> tuple[list[torch.Tens
     torch.manual_seed(seed)
     model = Tower()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    pre = kaisa.KFACPreconditioner(model, **options)  # type: ignore[arg-type]
+    pre = kaisa.KFACPreconditioner(model, **{"lr": 0.1, **options})  # type: ignore[arg-type]
     for step in range(steps):
         gen = torch.Generator().manual_seed(1000 + step)
         x, y = torch.randn(16, 8, generator=gen), torch.randint(0, 5, (16,), generator=gen)
@@ -93,7 +93,7 @@ def test_a_forward_that_raises_leaves_no_counting_mode_behind() -> None:
             raise RuntimeError("user error")
 
     model = Broken()
-    kaisa.KFACPreconditioner(model)
+    kaisa.KFACPreconditioner(model, lr=0.1)
     with pytest.raises(RuntimeError, match="user error"):
         model(torch.randn(3, 4))
     assert _get_current_dispatch_mode() is None

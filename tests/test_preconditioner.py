@@ -177,10 +177,10 @@ def test_layers_found_and_left_alone() -> None:
             self.norm = nn.LayerNorm(4)
 
     with pytest.warns(UserWarning, match="grouped"):
-        pre = kaisa.KFACPreconditioner(Net(), skip_layers=["skipped"])
+        pre = kaisa.KFACPreconditioner(Net(), lr=0.1, skip_layers=["skipped"])
     assert [layer.name for layer in pre.layers] == ["head"]
     with pytest.raises(ValueError, match="no layer"):
-        kaisa.KFACPreconditioner(nn.Sequential(nn.Linear(2, 2)), skip_layers="Linear$")
+        kaisa.KFACPreconditioner(nn.Sequential(nn.Linear(2, 2)), lr=0.1, skip_layers="Linear$")
 
 
 @pytest.fixture
@@ -190,7 +190,7 @@ def _no_layers_model() -> nn.Module:
 
 def test_model_without_layers_is_refused(_no_layers_model: nn.Module) -> None:
     with pytest.raises(ValueError, match="no layer K-FAC can precondition"):
-        kaisa.KFACPreconditioner(_no_layers_model)
+        kaisa.KFACPreconditioner(_no_layers_model, lr=0.1)
 
 
 @pytest.mark.parametrize(("kappa", "clipped"), [(1e-12, True), (1e12, False), (None, False)])
@@ -216,7 +216,7 @@ def test_telemetry_records_kl_clipping(kappa: float | None, clipped: bool) -> No
 def test_reprs_name_each_hyperparameter_once_and_telemetry_prints_its_counters() -> None:
     import kaisa as k
 
-    pre = k.KFACPreconditioner(nn.Linear(3, 3))
+    pre = k.KFACPreconditioner(nn.Linear(3, 3), lr=0.1)
     assert repr(pre).count("kl_clip=") == 1 and "kl_clip=0.003" in repr(pre)
     assert repr(k.KFACPreconditioner(nn.Linear(3, 3), kl_clip=None)).count("kl_clip=None") == 1
     text = repr(pre.telemetry)

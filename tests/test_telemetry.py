@@ -59,7 +59,7 @@ def test_synchronize_waits_for_the_accelerator_at_each_phase_boundary(
 def test_synchronize_set_on_a_preconditioner_takes_effect(accelerator: list[object]) -> None:
     model = small_cnn()
     pre = kaisa.KFACPreconditioner.with_reference_defaults(
-        model, factor_update_steps=1, inv_update_steps=1
+        model, lr=0.1, factor_update_steps=1, inv_update_steps=1
     )
     train(model, pre, 1)
     assert accelerator == []
@@ -80,7 +80,7 @@ def test_synchronize_without_an_accelerator_only_times() -> None:
 def test_every_phase_is_a_profiler_range() -> None:
     model = small_cnn()
     pre = kaisa.KFACPreconditioner.with_reference_defaults(
-        model, factor_update_steps=1, inv_update_steps=1
+        model, lr=0.1, factor_update_steps=1, inv_update_steps=1
     )
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         train(model, pre, 1)

@@ -92,6 +92,7 @@ def test_factor_updates_skipped_in_a_row_are_reported_with_their_cause() -> None
     model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
     pre = kaisa.KFACPreconditioner(
         model,
+        lr=0.1,
         factor_product_dtype=torch.float16,
         factor_update_steps=1,
         inv_update_steps=1,
@@ -117,7 +118,7 @@ def test_an_occasional_skip_is_not_reported() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
     pre = kaisa.KFACPreconditioner(
-        model, factor_update_steps=1, inv_update_steps=1, curvature="exact"
+        model, lr=0.1, factor_update_steps=1, inv_update_steps=1, curvature="exact"
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -35,12 +35,12 @@ def _loss(model: nn.Module) -> torch.Tensor:
 
 def grouped_conv_at_construction() -> None:
     model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(4, 2))
-    kaisa.KFACPreconditioner(model)
+    kaisa.KFACPreconditioner(model, lr=0.1)
 
 
 def forward_without_backward() -> None:
     model = _net()
-    pre = kaisa.KFACPreconditioner(model, curvature="exact")
+    pre = kaisa.KFACPreconditioner(model, lr=0.1, curvature="exact")
     _loss(model)  # never backpropagated
     _loss(model).backward()
     pre.step()
@@ -48,7 +48,7 @@ def forward_without_backward() -> None:
 
 def abandoned_iteration() -> None:
     model = _net()
-    pre = kaisa.KFACPreconditioner(model, curvature="exact")
+    pre = kaisa.KFACPreconditioner(model, lr=0.1, curvature="exact")
     _loss(model).backward()  # no step(): the batch is skipped
     _loss(model).backward()
     pre.step()
@@ -56,14 +56,14 @@ def abandoned_iteration() -> None:
 
 def fewer_passes_than_accumulation_steps() -> None:
     model = _net()
-    pre = kaisa.KFACPreconditioner(model, curvature="exact", accumulation_steps=2)
+    pre = kaisa.KFACPreconditioner(model, lr=0.1, curvature="exact", accumulation_steps=2)
     _loss(model).backward()
     pre.step()
 
 
 def failed_decomposition(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _net()
-    pre = kaisa.KFACPreconditioner(model, curvature="exact")
+    pre = kaisa.KFACPreconditioner(model, lr=0.1, curvature="exact")
 
     def broken(*_: object, **__: object) -> None:
         raise torch.linalg.LinAlgError("forced")
@@ -75,7 +75,7 @@ def failed_decomposition(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def budget_not_met() -> None:
     model = nn.Linear(6, 3)
-    pre = kaisa.KFACPreconditioner(model, time_budget=1e-9)
+    pre = kaisa.KFACPreconditioner(model, lr=0.1, time_budget=1e-9)
     F.cross_entropy(model(torch.randn(2, 6)), torch.tensor([0, 1])).backward()
     pre.step()
 
@@ -83,7 +83,7 @@ def budget_not_met() -> None:
 def no_gradient_anywhere() -> None:
     model = _net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    pre = kaisa.KFACPreconditioner(model, curvature="exact")
+    pre = kaisa.KFACPreconditioner(model, lr=0.1, curvature="exact")
     _loss(model).backward()
     optimizer.zero_grad()  # before step(): nothing left to precondition
     pre.step()
@@ -101,7 +101,7 @@ def idle_layer() -> None:
             return self.used(x) + F.linear(x, self.functional.weight, self.functional.bias)
 
     model = Branchy()
-    pre = kaisa.KFACPreconditioner(model, curvature="exact")
+    pre = kaisa.KFACPreconditioner(model, lr=0.1, curvature="exact")
     _loss(model).backward()
     pre.step()
 
@@ -136,7 +136,7 @@ def test_the_warning_points_at_the_users_line(case: str, monkeypatch: pytest.Mon
 def test_decisions_are_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:
     model = _net()
     with caplog.at_level("INFO", logger="kaisa"):
-        pre = kaisa.KFACPreconditioner(model)
+        pre = kaisa.KFACPreconditioner(model, lr=0.1)
         _loss(model).backward()
         pre.step()
     messages = [r.getMessage() for r in caplog.records if r.name == "kaisa"]

@@ -58,8 +58,9 @@ def effective_decay(decay: float, updates: int, init: FactorInit) -> float:
 
 
 #: A batch factor whose trace exceeds this multiple of its running average's
-#: (after the first update) is an outlier batch: not folded, unless outliers
-#: keep coming (see :data:`OUTLIER_PATIENCE`).
+#: (after the first update) is held back: an outlier batch if the next factor
+#: update is back at the average's scale, the start of a lasting change of
+#: scale if the next one is beyond the ratio too (see :data:`OUTLIER_PATIENCE`).
 OUTLIER_RATIO = 1e3
 #: A side's eigendecomposition, run in float32, is redone in float64 when the
 #: damped solve's error bound (:func:`~kaisa.curvature.linalg.eigen_error_bound`,
@@ -82,9 +83,16 @@ FACTOR_ROUNDING = 0.03
 #: or a larger damping helps.
 HELD_FACTOR_WARNING = 0.1
 
-#: After this many consecutive refused updates of a layer the next one is
-#: folded whatever its size: the data's scale has changed, not spiked.
-OUTLIER_PATIENCE = 3
+#: After this many consecutive held updates of a layer the next one beyond
+#: the ratio is taken in, and the running average restarts from it: the scale
+#: has changed, not spiked. One: a lasting change (a LayerScale's factor,
+#: ``γ²``-proportional, growing by orders of magnitude from ``γ = 1e-6`` in
+#: its first steps) costs one factor update, while one outlier batch among
+#: ordinary ones is still refused.
+OUTLIER_PATIENCE = 1
+
+#: What :meth:`KroneckerBlock.fold_unless_outlier` did with a batch.
+FoldStatus = Literal["folded", "held", "spike", "rescaled"]
 
 
 def factor_trace(factor: torch.Tensor, capture: str) -> torch.Tensor:
@@ -214,23 +222,33 @@ class KroneckerBlock:
 
     def fold_unless_outlier(
         self, a_batch: torch.Tensor, g_batch: torch.Tensor, decay: float, traces: list[float]
-    ) -> bool:
+    ) -> FoldStatus:
         """:meth:`fold`, unless the batch is an outlier (``traces`` from :meth:`traces`).
 
         After the first update, a batch whose ``A`` or ``G`` trace exceeds
-        :data:`OUTLIER_RATIO` times the running average's is refused (``False``)
-        — one batch of inputs ×1e6 would otherwise dominate the average for
-        hundreds of updates — unless :data:`OUTLIER_PATIENCE` updates in a row
-        were refused: a lasting change of scale is then taken in.
+        :data:`OUTLIER_RATIO` times the running average's is held back
+        (``'held'``, not folded): one batch of inputs ×1e6 would otherwise
+        dominate the average for hundreds of updates. The next update tells
+        which it was. Back within the ratio: it is folded as usual, and the
+        held batch proves an outlier (``'spike'``). Beyond the ratio again
+        (after :data:`OUTLIER_PATIENCE` held updates): the scale has changed
+        for good, as a LayerScale's does while ``γ`` grows from ``1e-6``, and
+        the running average restarts from this batch (``'rescaled'``; the old
+        average, under ``1/OUTLIER_RATIO`` of it, is dropped). Otherwise
+        ``'folded'``.
         """
         a_batch_trace, g_batch_trace, a_trace, g_trace = traces
         spike = is_outlier(a_batch_trace, a_trace) or is_outlier(g_batch_trace, g_trace)
-        if spike and self.updates > 0 and self.outliers < OUTLIER_PATIENCE:
-            self.outliers += 1
-            return False
-        self.outliers = 0
+        if spike and self.updates > 0:
+            if self.outliers < OUTLIER_PATIENCE:
+                self.outliers += 1
+                return "held"
+            self.outliers = 0
+            self.fold(a_batch, g_batch, 0.0)
+            return "rescaled"
+        held, self.outliers = self.outliers, 0
         self.fold(a_batch, g_batch, decay)
-        return True
+        return "spike" if held else "folded"
 
     def factor(self, which: Factor) -> torch.Tensor:
         return self.sides[which].factor

@@ -3,8 +3,9 @@
 The batch factors arrive all-reduced, per layer and per piece (side and
 capture: a gram or the rows' moments), with the rows each was summed over.
 A layer is folded only when it captured rows on some rank and its ``A`` is
-not all zeros, and not when its batch is an outlier
-(:meth:`~kaisa.curvature.block.KroneckerBlock.fold_unless_outlier`); the whole
+not all zeros, and not when its batch is held back as a possible outlier
+(:meth:`~kaisa.curvature.block.KroneckerBlock.fold_unless_outlier`: the next
+update tells an outlier batch from a lasting change of scale); the whole
 step is skipped when any batch factor or any gradient is not finite (an AMP
 overflow must not reach the running averages). One host sync serves all
 these checks.
@@ -34,10 +35,19 @@ Batch = Mapping[str, Mapping[tuple[str, Capture], tuple[torch.Tensor, float]]]
 
 @dataclass(frozen=True)
 class FoldOutcome:
-    """What :func:`fold_batch` did: ``skipped`` (not finite) or which batches were refused."""
+    """What :func:`fold_batch` did: ``skipped`` (not finite), else per layer name.
+
+    ``held``: batches held back (beyond the outlier ratio; the next update
+    tells); ``outliers``: layers whose held batch proved an outlier batch (this
+    update was back at the average's scale; that batch was never folded);
+    ``rescaled``: layers whose scale changed for good (a second batch beyond
+    the ratio; the running average restarted from it).
+    """
 
     skipped: bool
-    outliers: tuple[str, ...]
+    outliers: tuple[str, ...] = ()
+    held: tuple[str, ...] = ()
+    rescaled: tuple[str, ...] = ()
 
 
 def fold_batch(
@@ -74,13 +84,18 @@ def fold_batch(
     )
     if not finite:
         return FoldOutcome(skipped=True, outliers=())
-    outliers = []
+    status: dict[str, list[str]] = {"spike": [], "held": [], "rescaled": []}
     for i, name in enumerate(names):
         layer_traces = trace_values[4 * i : 4 * i + 4]
         # Rows on some rank and a non-zero A (a layer captured nowhere, or fed
         # only zeros, is skipped).
         if not (captured[name] and layer_traces[0] != 0.0):
             continue
-        if not blocks[name].fold_unless_outlier(*reduced[name], decay, layer_traces):
-            outliers.append(name)
-    return FoldOutcome(skipped=False, outliers=tuple(outliers))
+        done = blocks[name].fold_unless_outlier(*reduced[name], decay, layer_traces)
+        status.get(done, []).append(name)
+    return FoldOutcome(
+        skipped=False,
+        outliers=tuple(status["spike"]),
+        held=tuple(status["held"]),
+        rescaled=tuple(status["rescaled"]),
+    )

@@ -2,6 +2,9 @@
 
 * :mod:`kaisa.integrations.lightning`: :class:`~kaisa.integrations.lightning.KFACCallback`,
   a PyTorch Lightning callback (``pip install 'kaisa[lightning]'``).
+* :mod:`kaisa.integrations.transformers`:
+  :class:`~kaisa.integrations.transformers.KFACCallback`, a HuggingFace ``Trainer``
+  callback (``pip install 'kaisa[transformers]'``).
 * :mod:`kaisa.integrations.accelerate`:
   :func:`~kaisa.integrations.accelerate.prepare_preconditioner`, for Hugging Face
   accelerate loops (``pip install 'kaisa[accelerate]'``).

@@ -15,7 +15,7 @@ import kaisa
 def _passes(rank: int, world_size: int, passes: int) -> tuple[list[int], list[str], list[float]]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
-    pre = kaisa.KFACPreconditioner(model, accumulation_steps=2, factor_update_steps=1)
+    pre = kaisa.KFACPreconditioner(model, lr=0.1, accumulation_steps=2, factor_update_steps=1)
     g = torch.Generator().manual_seed(rank)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -82,6 +82,7 @@ def _cases(rank: int, world_size: int) -> dict[str, str | None]:
             "inv_update_steps": 1,
             "factor_decay": 0.9,
             "curvature": "exact",
+            "lr": 0.1,
             **changes[rank],
         }
         model = _model(kwargs.pop("width", 4))
@@ -118,7 +119,7 @@ def test_disagreeing_ranks_fail_fast_on_every_rank() -> None:
 
 
 def _digest(world_size: int = 2, sizes: tuple[int, ...] = (4,), **kwargs: Any) -> dict[str, object]:
-    options = KFACOptions(**kwargs)
+    options = KFACOptions(**{"lr": 0.1, **kwargs})
     layers = [(f"fc{i}", 3 + i, g) for i, g in enumerate(sizes)]
     plan = make_plan(
         [LayerShape(n, a, g) for n, a, g in layers],
@@ -224,7 +225,7 @@ def _silent_peer(rank: int, world_size: int) -> tuple[str, float] | str:
     os.environ["KAISA_COLLECTIVE_TIMEOUT_S"] = "2"
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
-    pre = kaisa.KFACPreconditioner(model, factor_update_steps=1)
+    pre = kaisa.KFACPreconditioner(model, lr=0.1, factor_update_steps=1)
     model(torch.randn(3, 4)).sum().backward()
     if rank == 1:
         time.sleep(8.0)  # alive, but never calls step()

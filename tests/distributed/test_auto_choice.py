@@ -57,7 +57,7 @@ def _train(rank: int, world_size: int, fraction: str) -> dict[str, object]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     # The defaults, with operator calls that cost nothing: the rule at the scale of 1.
     preconditioner = kaisa.KFACPreconditioner(
-        model, grad_worker_fraction=fraction, cost_model=CostModel(operator=1e-12)
+        model, lr=0.1, grad_worker_fraction=fraction, cost_model=CostModel(operator=1e-12)
     )
     before = (preconditioner.curvature_choice, preconditioner.plan)
     gen = torch.Generator().manual_seed(100 + rank)
@@ -147,7 +147,7 @@ def _calibrate(rank: int, world_size: int) -> dict[str, object]:
     time.perf_counter = Clock()  # this rank's process only
     model = make_model()
     preconditioner = kaisa.KFACPreconditioner(
-        model, time_budget=0.01, calibrate_budget=True, cost_model=CostModel(operator=1e-12)
+        model, lr=0.1, time_budget=0.01, calibrate_budget=True, cost_model=CostModel(operator=1e-12)
     )
     # Rank 1's passes take a second each on its clock, rank 0's nothing (a
     # pre-hook after kaisa's, which starts the clock of a pass).

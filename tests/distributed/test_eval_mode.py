@@ -29,7 +29,7 @@ def _train(rank: int, world_size: int, eval_step: int, options: dict[str, Any]) 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    pre = kaisa.KFACPreconditioner(model, **options)
+    pre = kaisa.KFACPreconditioner(model, lr=0.1, **options)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(STEPS):

@@ -126,7 +126,7 @@ def _disagreeing(rank: int, world_size: int) -> str:
     # Group 0's ranks disagree on damping; group 1's agree.
     damping = 0.01 * (1 + part) if index == 0 else 0.01
     try:
-        kaisa.KFACPreconditioner(Net(), damping=damping, process_group=group)
+        kaisa.KFACPreconditioner(Net(), lr=0.1, damping=damping, process_group=group)
     except RankDisagreementError as error:
         return f"refused: {error}"
     return "built"
@@ -144,7 +144,7 @@ def test_disagreement_inside_a_group_fails_there_and_names_it() -> None:
 def _outsider(rank: int, world_size: int) -> str:
     group = dist.new_group([0])
     try:
-        kaisa.KFACPreconditioner(Net(), process_group=group)
+        kaisa.KFACPreconditioner(Net(), lr=0.1, process_group=group)
     except ValueError as error:
         return f"refused: {error}"
     return "built"
@@ -159,4 +159,4 @@ def test_a_process_outside_the_group_is_refused() -> None:
 
 def test_process_group_must_be_a_process_group() -> None:
     with pytest.raises(TypeError, match=r"process_group must be a torch\.distributed"):
-        kaisa.KFACPreconditioner(Net(), process_group="dp")  # type: ignore[arg-type]
+        kaisa.KFACPreconditioner(Net(), lr=0.1, process_group="dp")  # type: ignore[arg-type]

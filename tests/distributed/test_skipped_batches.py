@@ -71,6 +71,7 @@ def _train(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     pre = kaisa.KFACPreconditioner(
         model,
+        lr=0.1,
         curvature="exact",
         factor_update_steps=1,
         inv_update_steps=1,
@@ -128,7 +129,7 @@ def test_a_batch_every_rank_skips_leaves_no_trace() -> None:
 def _skips_on_rank_zero(rank: int, world_size: int, in_hook: bool) -> str:
     model = _model()
     pre = kaisa.KFACPreconditioner(
-        model, curvature="exact", factor_update_steps=1, update_factors_in_hook=in_hook
+        model, lr=0.1, curvature="exact", factor_update_steps=1, update_factors_in_hook=in_hook
     )
     x, y = _batch(rank, 0, 0)
     try:

@@ -122,6 +122,7 @@ def _run(config: Config, rank: int, world_size: int) -> dict[str, Any]:
     # choice, whose first step captures and all-reduces every kind of factor.
     preconditioner = kaisa.KFACPreconditioner.with_reference_defaults(
         model,
+        lr=0.1,
         curvature={f"^{name}$": sides for name, sides in MIXED.items()}
         if config.mixed
         else "exact",

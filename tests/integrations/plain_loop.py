@@ -89,8 +89,12 @@ def reference(
     kfac: bool = True,
     amp: bool = False,
     unscale_first: bool = True,
+    clip: float = 0.0,
 ) -> tuple[dict[str, torch.Tensor], int]:
-    """The plain loop: weights after it and the number of KL-clipped steps."""
+    """The plain loop: weights after it and the number of KL-clipped steps.
+
+    ``clip > 0``: the preconditioned gradients are clipped to that norm.
+    """
     module = net(dtype)
     model: nn.Module = DistributedDataParallel(module) if dist.is_initialized() else module
     optimizer, schedule = optimizer_and_schedule(model.parameters())
@@ -123,6 +127,8 @@ def reference(
                 if not unscale_first:
                     warnings.simplefilter("ignore")  # kaisa: "call scaler.unscale_ first"
                 pre.step()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()

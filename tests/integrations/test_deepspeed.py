@@ -353,9 +353,9 @@ def _refusal_case(rank: int, world_size: int) -> dict[str, str]:
             messages[name] = "accepted"
 
     z3 = _engine(ds, 3)
-    refused("zero3", lambda: kaisa.KFACPreconditioner(z3))
+    refused("zero3", lambda: kaisa.KFACPreconditioner(z3, lr=0.1))
     unmanaged = _engine(ds, 1, managed_gradient_accumulation=False)
-    refused("unmanaged", lambda: kaisa.KFACPreconditioner(unmanaged))
+    refused("unmanaged", lambda: kaisa.KFACPreconditioner(unmanaged, lr=0.1))
     from deepspeed.pipe import PipelineModule
 
     torch.manual_seed(0)
@@ -365,12 +365,12 @@ def _refusal_case(rank: int, world_size: int) -> dict[str, str]:
         loss_fn=torch.nn.CrossEntropyLoss(),
     )
     pipeline = _engine_for(ds, stages, 0)
-    refused("pipeline", lambda: kaisa.KFACPreconditioner(pipeline))
+    refused("pipeline", lambda: kaisa.KFACPreconditioner(pipeline, lr=0.1))
     z1 = _engine(ds, 1, gas=2)
-    refused("module", lambda: kaisa.KFACPreconditioner(z1.module))
-    refused("accumulation", lambda: kaisa.KFACPreconditioner(z1, accumulation_steps=3))
-    refused("scaler", lambda: kaisa.KFACPreconditioner(z1, grad_scaler=lambda: 1.0))
-    same = kaisa.KFACPreconditioner(z1, accumulation_steps=2)
+    refused("module", lambda: kaisa.KFACPreconditioner(z1.module, lr=0.1))
+    refused("accumulation", lambda: kaisa.KFACPreconditioner(z1, lr=0.1, accumulation_steps=3))
+    refused("scaler", lambda: kaisa.KFACPreconditioner(z1, lr=0.1, grad_scaler=lambda: 1.0))
+    same = kaisa.KFACPreconditioner(z1, lr=0.1, accumulation_steps=2)
     messages["same"] = str(same.options.accumulation_steps)
     # Built before deepspeed.initialize: kaisa sees a plain model whose .grad ZeRO-1
     # leaves None; step() says so (once).

@@ -177,7 +177,7 @@ def _fsdp_with_tensor_parallel(rank: int, world_size: int) -> str:
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
     try:
-        kaisa.KFACPreconditioner(model)
+        kaisa.KFACPreconditioner(model, lr=0.1)
     except ValueError as error:
         return str(error)
     return "accepted"

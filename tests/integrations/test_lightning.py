@@ -290,7 +290,7 @@ def test_conflicting_accumulation_steps_are_refused(tmp_path: Path) -> None:
         r"Trainer\(accumulate_grad_batches=2\)",
     ):
         trainer.fit(module)
-    given = kaisa.KFACPreconditioner(module, accumulation_steps=1)
+    given = kaisa.KFACPreconditioner(module, lr=0.1, accumulation_steps=1)
     trainer = _trainer(tmp_path, 2, callbacks=[KFACCallback(given)])
     with pytest.raises(
         ValueError,

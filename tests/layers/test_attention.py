@@ -248,13 +248,13 @@ def test_the_forward_is_torchs_own_bit_for_bit() -> None:
     net, _, kwargs, length = build({"mask": "both", "need_weights": True})
     x, memory, _ = data(0, True, length)
     expected = net(x, memory, **kwargs)
-    kaisa.KFACPreconditioner(net)
+    kaisa.KFACPreconditioner(net, lr=0.1)
     torch.testing.assert_close(net(x, memory, **kwargs), expected, rtol=0, atol=0)
 
 
 def test_bias_k_and_bias_v_keep_their_raw_gradients() -> None:
     net, _, kwargs, length = build({"add_bias_kv": True})
-    pre = kaisa.KFACPreconditioner(net, factor_update_steps=1, inv_update_steps=1)
+    pre = kaisa.KFACPreconditioner(net, lr=0.1, factor_update_steps=1, inv_update_steps=1)
     raw = {t.parameter: t.reason for t in pre.coverage().raw()}
     assert set(raw) == {"attention.bias_k", "attention.bias_v"}
     x, memory, y = data(0, True, length)
@@ -273,7 +273,7 @@ def encoder(batch_first: bool = True) -> nn.Module:
 
 def test_transformer_encoder_training_captures_every_projection() -> None:
     model = encoder()
-    pre = kaisa.KFACPreconditioner(model, factor_update_steps=1)
+    pre = kaisa.KFACPreconditioner(model, lr=0.1, factor_update_steps=1)
     x = torch.randn(N, L_Q, E)
     padding = torch.zeros(N, L_Q, dtype=torch.bool)
     padding[0, -2:] = True
@@ -286,7 +286,7 @@ def test_transformer_encoder_training_captures_every_projection() -> None:
 
 def test_evaluation_and_its_fast_paths_capture_nothing() -> None:
     model = encoder()
-    pre = kaisa.KFACPreconditioner(model)
+    pre = kaisa.KFACPreconditioner(model, lr=0.1)
     model.eval()
     x = torch.randn(N, L_Q, E)
     padding = torch.zeros(N, L_Q, dtype=torch.bool)
@@ -303,7 +303,7 @@ def test_evaluation_and_its_fast_paths_capture_nothing() -> None:
 
 def test_remove_hooks_restores_plain_attention() -> None:
     net, _, _, length = build({})
-    pre = kaisa.KFACPreconditioner(net)
+    pre = kaisa.KFACPreconditioner(net, lr=0.1)
     pre.remove_hooks()
     attention = net.attention
     assert not attention._forward_hooks and not attention._forward_pre_hooks
@@ -314,7 +314,7 @@ def test_remove_hooks_restores_plain_attention() -> None:
 
 def test_an_exception_inside_attention_leaves_no_mode_behind() -> None:
     net, _, _, _ = build({})
-    kaisa.KFACPreconditioner(net)
+    kaisa.KFACPreconditioner(net, lr=0.1)
     bad = torch.randn(N, L_Q, E + 1, dtype=torch.float64)
     with pytest.raises((RuntimeError, AssertionError)):
         net.attention(bad, bad, bad)

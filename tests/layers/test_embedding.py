@@ -85,7 +85,7 @@ def test_embedding_takes_the_steps_of_a_one_hot_linear_with_diagonal_a(g_side: s
     torch.manual_seed(0)
     net = EmbedNet().double()
     ref = OneHotNet(net).double()
-    common = dict(factor_update_steps=1, inv_update_steps=1, inv_dtype=torch.float64)
+    common = dict(factor_update_steps=1, inv_update_steps=1, inv_dtype=torch.float64, lr=0.1)
     pre = kaisa.KFACPreconditioner(
         net, curvature={"emb": ("auto", g_side), "head": "exact"}, **common
     )
@@ -108,7 +108,7 @@ def test_embedding_takes_the_steps_of_a_one_hot_linear_with_diagonal_a(g_side: s
 def test_the_automatic_choice_keeps_the_embedding_a_diagonal_and_never_forms_its_gram() -> None:
     torch.manual_seed(0)
     net = EmbedNet()
-    pre = kaisa.KFACPreconditioner(net)
+    pre = kaisa.KFACPreconditioner(net, lr=0.1)
     assert pre.layers[0].capture_keys[0] == ("a", "moments")  # no VOCAB² gram while pending
     F.cross_entropy(net(tokens(3)), torch.randint(0, 2, (4,))).backward()
     pre.step()
@@ -119,7 +119,7 @@ def test_the_automatic_choice_keeps_the_embedding_a_diagonal_and_never_forms_its
 def test_the_padding_row_never_moves() -> None:
     torch.manual_seed(0)
     net = EmbedNet(padding_idx=0)
-    pre = kaisa.KFACPreconditioner(net, factor_update_steps=1, inv_update_steps=1)
+    pre = kaisa.KFACPreconditioner(net, lr=0.1, factor_update_steps=1, inv_update_steps=1)
     opt = torch.optim.SGD(net.parameters(), lr=0.5)
     before = net.emb.weight.detach().clone()
     for step in range(3):
@@ -138,7 +138,7 @@ def test_a_sparse_embedding_is_left_raw_with_a_warning() -> None:
     net = EmbedNet()
     net.emb = nn.Embedding(VOCAB, DIM, sparse=True)
     with pytest.warns(UserWarning, match=r"'emb' \(Embedding\(7, 3, sparse=True\)\): sparse"):
-        pre = kaisa.KFACPreconditioner(net)
+        pre = kaisa.KFACPreconditioner(net, lr=0.1)
     assert [layer.name for layer in pre.layers] == ["head"]
     raw = {t.parameter: t.reason for t in pre.coverage().raw()}
     assert "sparse" in raw["emb.weight"]

@@ -85,17 +85,17 @@ def test_subclasses_use_the_nearest_registered_factory_and_coverage_names_the_ki
         pass
 
     model = nn.Sequential(Wider(4, 5), nn.ReLU(), nn.Linear(5, 2))
-    coverage = str(kaisa.KFACPreconditioner(model).coverage())
+    coverage = str(kaisa.KFACPreconditioner(model, lr=0.1).coverage())
     assert "0.kernel" in coverage and "kronecker (dense)" in coverage
     assert "3 of 4" not in coverage and "4 of 4 trainable parameters preconditioned" in coverage
 
 
 def test_without_the_handler_the_layer_is_raw_and_named() -> None:
     model = nn.Sequential(EX.Dense(4, 5), nn.ReLU(), nn.Linear(5, 2))
-    coverage = str(kaisa.KFACPreconditioner(model).coverage())
+    coverage = str(kaisa.KFACPreconditioner(model, lr=0.1).coverage())
     assert "no handler for Dense" in coverage
     with pytest.raises(ValueError, match="no layer K-FAC can precondition"):
-        kaisa.KFACPreconditioner(EX.Dense(4, 5))
+        kaisa.KFACPreconditioner(EX.Dense(4, 5), lr=0.1)
 
 
 @pytest.mark.timeout(120)

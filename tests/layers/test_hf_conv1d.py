@@ -126,7 +126,7 @@ def _steps(model: TinyGPT, steps: int = 4) -> list[tuple[dict[str, torch.Tensor]
 
 def test_conv1d_takes_the_steps_of_nn_linear_with_the_weight_transposed() -> None:
     hf, plain = _pair()
-    pre = kaisa.KFACPreconditioner(hf)
+    pre = kaisa.KFACPreconditioner(hf, lr=0.1)
     kinds = {t.parameter: t.kind for t in pre.coverage()}
     assert kinds["blocks.0.c_attn.weight"].startswith("kronecker (linear, (in, out) weight)")
     assert kinds["blocks.1.mlp_proj.bias"].startswith("kronecker (linear, (in, out) weight)")
@@ -196,7 +196,7 @@ def test_importing_kaisa_and_surveying_a_model_never_imports_transformers() -> N
         "import sys, torch, kaisa\n"
         "from kaisa.layers import survey\n"
         "survey(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Conv1d(4, 4, 1)))\n"
-        "kaisa.KFACPreconditioner(torch.nn.Linear(3, 4))\n"
+        "kaisa.KFACPreconditioner(torch.nn.Linear(3, 4), lr=0.1)\n"
         "assert 'transformers' not in sys.modules, 'transformers imported'\n"
     )
     result = subprocess.run(

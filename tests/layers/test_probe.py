@@ -144,7 +144,7 @@ def test_without_an_example_the_first_model_using_the_handler_is_refused() -> No
     kaisa.register_handler(InOut, _factory(Reshaping))  # nothing to probe yet
     model = nn.Sequential(InOut(5, 6), nn.Tanh(), nn.Linear(6, 2))
     with pytest.raises(HandlerContractError, match="Reshaping for InOut is refused"):
-        kaisa.KFACPreconditioner(model)
+        kaisa.KFACPreconditioner(model, lr=0.1)
     # The model is untouched: no hooks, no gradients from the probe.
     assert all(p.grad is None for p in model.parameters())
     assert not model[0]._forward_hooks
@@ -159,13 +159,13 @@ def test_a_good_handler_is_checked_once_on_the_first_module_and_then_used() -> N
 
     kaisa.register_handler(InOut, factory)
     model = nn.Sequential(InOut(5, 6), nn.Tanh(), InOut(6, 2))
-    pre = kaisa.KFACPreconditioner(model)
+    pre = kaisa.KFACPreconditioner(model, lr=0.1)
     assert [layer.name for layer in pre.layers] == ["0", "2"]
     # One probe (on a copy of the first module), then one handler per module.
     assert len(checked) == 3 and checked[0] is not model[0] and checked[1] is model[0]
     assert InOut not in registry._UNCHECKED
     pre.remove_hooks()
-    kaisa.KFACPreconditioner(model)
+    kaisa.KFACPreconditioner(model, lr=0.1)
     assert len(checked) == 5  # no second probe
 
 

@@ -150,7 +150,7 @@ def test_weight_standardised_and_own_conv_forward_convolutions_are_left_raw() ->
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pre = kaisa.KFACPreconditioner(model)
+        pre = kaisa.KFACPreconditioner(model, lr=0.1)
     text = "\n".join(_messages(caught))
     assert "ScaledStdConv2d overrides nn.Conv2d.forward()" in text
     assert "OwnConvForward overrides nn.Conv2d._conv_forward()" in text
@@ -161,7 +161,7 @@ def test_subclasses_that_keep_forward_are_preconditioned_as_before() -> None:
     model = nn.Sequential(Renamed(4, 5), nn.ReLU(), nn.Linear(5, 2))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        pre = kaisa.KFACPreconditioner(model)
+        pre = kaisa.KFACPreconditioner(model, lr=0.1)
     assert [layer.name for layer in pre.layers] == ["0", "2"]
     assert pre.layers[0].kind == "kronecker (linear)"
 
@@ -169,13 +169,13 @@ def test_subclasses_that_keep_forward_are_preconditioned_as_before() -> None:
 def test_a_handler_registered_for_the_subclass_itself_preconditions_it() -> None:
     model = nn.Sequential(Logged(4, 5), nn.ReLU(), nn.Linear(5, 2))
     with pytest.warns(UserWarning, match="Logged overrides nn.Linear.forward"):
-        before = kaisa.KFACPreconditioner(model)
+        before = kaisa.KFACPreconditioner(model, lr=0.1)
     assert [layer.name for layer in before.layers] == ["2"]
     before.remove_hooks()
     kaisa.register_handler(Logged, registry._linear, example=Logged(3, 2))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        pre = kaisa.KFACPreconditioner(model)
+        pre = kaisa.KFACPreconditioner(model, lr=0.1)
     assert [layer.name for layer in pre.layers] == ["0", "2"]
     assert registry.handler_for(Logged(2, 2)) is not None
 
@@ -192,7 +192,7 @@ def test_norm_like_modules_are_reported_as_the_norm_choice_without_a_warning() -
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        pre = kaisa.KFACPreconditioner(model)
+        pre = kaisa.KFACPreconditioner(model, lr=0.1)
     raw = {t.parameter: t.reason for t in pre.coverage().raw()}
     assert raw == {
         "1.weight": NORM,
@@ -214,7 +214,7 @@ def test_grouped_convolutions_are_listed_in_one_warning() -> None:
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pre = kaisa.KFACPreconditioner(model)
+        pre = kaisa.KFACPreconditioner(model, lr=0.1)
     (message,) = _messages(caught)
     assert message.startswith("kaisa: skipping 3 modules: '0' (groups=8), '2' (groups=16), '3'")
     assert "'3' (groups=4)" in message and "grouped convolutions" in message
@@ -227,12 +227,12 @@ def test_a_warning_about_many_modules_names_the_first_and_counts_the_rest() -> N
     convs = [nn.Conv2d(4, 4, 3, padding=1, groups=4) for _ in range(11)]
     model = nn.Sequential(*convs, nn.Flatten(), nn.Linear(4, 2))
     with pytest.warns(UserWarning, match=r"skipping 11 modules: '0' \(groups=4\), .*and 3 more"):
-        kaisa.KFACPreconditioner(model)
+        kaisa.KFACPreconditioner(model, lr=0.1)
 
 
 def test_a_parametrized_weight_is_left_raw_instead_of_crashing() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
     torch.nn.utils.parametrizations.orthogonal(model[0])
     with pytest.warns(UserWarning, match="not a parameter of the model but computed from one"):
-        pre = kaisa.KFACPreconditioner(model)
+        pre = kaisa.KFACPreconditioner(model, lr=0.1)
     assert [layer.name for layer in pre.layers] == ["2"]

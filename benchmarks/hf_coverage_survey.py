@@ -1,0 +1,119 @@
+"""How much of a published HuggingFace model kaisa preconditions, without weights.
+
+Each model is built from its published configuration on the meta device (no
+memory, nothing downloaded: the configurations are written out here) and
+surveyed as ``KFACPreconditioner`` would register it
+(:func:`kaisa.layers.survey`). For every trainable parameter with at least
+two dimensions, the share of its elements that is preconditioned; what is
+left raw is listed with kaisa's reason, and whether construction warns about
+it::
+
+    PYTHONPATH=. python benchmarks/hf_coverage_survey.py
+
+Needs ``transformers`` (``pip install '.[transformers]'``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+
+import torch
+import transformers as hf
+from torch import nn
+
+from kaisa.layers import survey
+
+
+def published() -> Iterator[tuple[str, Callable[[], nn.Module]]]:
+    """``(name, build)`` for each model, shaped as published (weights not loaded)."""
+    yield "gpt2 (124M)", lambda: hf.GPT2LMHeadModel(hf.GPT2Config())
+    yield "bert-base-uncased", lambda: hf.BertForMaskedLM(hf.BertConfig())
+    llama_1b = dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    )
+    yield (
+        "Llama-3.2-1B shape (tied)",
+        lambda: hf.LlamaForCausalLM(hf.LlamaConfig(**llama_1b, tie_word_embeddings=True)),
+    )
+    yield (
+        "Llama-3.2-1B shape (untied)",
+        lambda: hf.LlamaForCausalLM(hf.LlamaConfig(**llama_1b, tie_word_embeddings=False)),
+    )
+    yield (
+        "t5-small",
+        lambda: hf.T5ForConditionalGeneration(
+            hf.T5Config(d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_heads=8)
+        ),
+    )
+    yield (
+        "bart-base",
+        lambda: hf.BartForConditionalGeneration(
+            hf.BartConfig(
+                d_model=768,
+                encoder_layers=6,
+                decoder_layers=6,
+                encoder_attention_heads=12,
+                decoder_attention_heads=12,
+                encoder_ffn_dim=3072,
+                decoder_ffn_dim=3072,
+            )
+        ),
+    )
+    yield (
+        "vit-base-patch16-224",
+        lambda: hf.ViTForImageClassification(hf.ViTConfig(num_labels=1000)),
+    )
+
+
+def coverage(model: nn.Module) -> tuple[float, int, list[tuple[str, int, str, bool]]]:
+    """``(share preconditioned, elements, raw)`` over trainable parameters of ≥ 2 dims.
+
+    ``raw``: ``(parameter, elements, reason, warned)``; ``warned`` when a
+    construction warning names its module.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = survey(model)
+    messages = [str(w.message) for w in caught] + list(found.warnings)
+    params = dict(model.named_parameters())
+    total = done = 0
+    raw = []
+    for t in found.treatments:
+        p = params[t.parameter]
+        if p.ndim < 2 or not p.requires_grad:
+            continue
+        total += p.numel()
+        if t.kind != "raw":
+            done += p.numel()
+            continue
+        module = t.parameter.rsplit(".", 1)[0]
+        warned = any(f"'{module}'" in m for m in messages)
+        raw.append((t.parameter, p.numel(), t.reason, warned))
+    return done / total, total, raw
+
+
+def main() -> None:
+    rows = []
+    for name, build in published():
+        with torch.device("meta"):
+            model = build()
+        share, total, raw = coverage(model)
+        rows.append((name, share, total, raw))
+    print("| model | ≥2-D elements | preconditioned | raw (elements, reason, warned) |")
+    print("| --- | ---: | ---: | --- |")
+    for name, share, total, raw in rows:
+        listing = "; ".join(
+            f"`{p}` ({n / 1e6:.2f}M, {reason.split(':')[0]}, {'warned' if w else 'not warned'})"
+            for p, n, reason, w in raw
+        )
+        print(f"| {name} | {total / 1e6:.1f}M | {100 * share:.1f}% | {listing or '—'} |")
+
+
+if __name__ == "__main__":
+    main()
