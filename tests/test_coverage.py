@@ -31,7 +31,7 @@ class TiedLM(nn.Module):
 def test_a_tied_parameter_is_preconditioned_with_the_curvature_of_both_uses() -> None:
     torch.manual_seed(0)
     model = TiedLM()
-    pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
+    pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, lr=0.1)
     names = [layer.name for layer in pre.layers]
     assert "embed" in names and "head" in names
     assert "encoder.layers.0.self_attn.q" in names

@@ -145,7 +145,7 @@ def test_with_diagonal_sides_everywhere_it_is_the_exact_inverse_of_the_summed_cu
 
 def test_coverage_lists_the_tied_weight_as_preconditioned_by_both_uses() -> None:
     model = Tied(True)
-    pre = kaisa.KFACPreconditioner(model)
+    pre = kaisa.KFACPreconditioner(model, lr=0.1)
     by_name = {t.parameter: t for t in pre.coverage()}
     tied = by_name["embed.weight"]
     assert tied.kind.startswith(
@@ -171,7 +171,7 @@ def test_a_use_kaisa_cannot_see_leaves_the_weight_raw_with_the_warning() -> None
     model = Tied(False)
     model.odd = Odd(model.embed.weight)
     with pytest.warns(UserWarning, match="shares a parameter"):
-        pre = kaisa.KFACPreconditioner(model)
+        pre = kaisa.KFACPreconditioner(model, lr=0.1)
     raw = {t.parameter: t.reason for t in pre.coverage().raw()}
     assert raw["embed.weight"].startswith("shared by")
     pre.remove_hooks()

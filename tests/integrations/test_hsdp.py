@@ -142,7 +142,7 @@ def _hsdp_case(rank: int, world_size: int) -> dict[str, Any]:
     # A data-parallel group of two ranks is not the mesh's four.
     low, high = dist.new_group([0, 1]), dist.new_group([2, 3])  # (every rank makes both)
     try:
-        kaisa.KFACPreconditioner(_hsdp(mesh), process_group=low if rank < 2 else high)
+        kaisa.KFACPreconditioner(_hsdp(mesh), process_group=low if rank < 2 else high, lr=0.1)
         results["wrong-group"] = "accepted"
     except ValueError as error:
         results["wrong-group"] = str(error)

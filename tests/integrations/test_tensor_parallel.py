@@ -238,9 +238,9 @@ def _tp_alone(rank: int, world_size: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world_size,))
     batches = [_batch(0, step) for step in range(STEPS)]  # the same rows on both ranks
     results = {str(f): _train(_parallel(mesh), batches, f) for f in [*FRACTIONS, None]}
-    results["embedding"] = _refused(lambda: kaisa.KFACPreconditioner(_embedding(mesh)))
+    results["embedding"] = _refused(lambda: kaisa.KFACPreconditioner(_embedding(mesh), lr=0.1))
     # Left out, the sharded embedding stops nothing.
-    pre = kaisa.KFACPreconditioner(_embedding(mesh), skip_layers="0")
+    pre = kaisa.KFACPreconditioner(_embedding(mesh), skip_layers="0", lr=0.1)
     results["embedding-skipped"] = len(pre.layers)
     results["sequence"] = _train_sequence(_sequence_parallel(mesh))
     return results
@@ -259,10 +259,10 @@ def _tp_dp(rank: int, world_size: int) -> dict[str, Any]:
     results = {
         str(f): _train(_parallel(mesh["tp"]), batches, f, dp_group, 2) for f in [*FRACTIONS, None]
     }
-    results["no-group"] = _refused(lambda: kaisa.KFACPreconditioner(_parallel(mesh["tp"])))
+    results["no-group"] = _refused(lambda: kaisa.KFACPreconditioner(_parallel(mesh["tp"]), lr=0.1))
     tp_group = mesh["tp"].get_group()
     results["tp-group"] = _refused(
-        lambda: kaisa.KFACPreconditioner(_parallel(mesh["tp"]), process_group=tp_group)
+        lambda: kaisa.KFACPreconditioner(_parallel(mesh["tp"]), process_group=tp_group, lr=0.1)
     )
     dist.barrier()
     return results
