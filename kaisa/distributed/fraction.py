@@ -1,8 +1,8 @@
 """``grad_worker_fraction='auto'``: the fraction that fits a memory budget and is fastest.
 
 A pure function of the layer shapes, the world size, a per-rank memory budget
-and three speeds (a :class:`Link`): the latency of one collective call, the
-bandwidth of the process group and the multiply-add rate of one rank.
+and three speeds (a :class:`Link`): the latency and bandwidth of one message
+between two ranks and the multiply-add rate of one rank.
 Nothing here imports torch, so ``kaisa plan --memory-budget`` answers for
 any world size; :mod:`kaisa.distributed.probe` measures the speeds on a
 process group and settles the choice at construction.
@@ -13,22 +13,27 @@ rank, since each ends in a collective that waits for every member):
 * memory: the Kronecker factors (every rank, ``factor_bytes`` per element)
   plus the largest column's second-order state (``state_bytes`` per
   element), as :mod:`kaisa.distributed.cost` counts them;
-* the factor all-reduce, per factor update: ``buckets · latency + bytes /
-  bandwidth``, the buckets as the communicator makes them
-  (:func:`~kaisa.distributed.cost.bucket_layers`); the same for every fraction;
+* the factor all-reduce over the ``N`` ranks, per factor update, as a ring:
+  ``2(N−1)·buckets·latency + 2(N−1)/N·bytes/bandwidth``, the buckets as the
+  communicator makes them (:func:`~kaisa.distributed.cost.bucket_layers`);
+  the same for every fraction;
 * decompositions, per inverse update: the busiest rank's refresh work
   (:func:`~kaisa.curvature.costs.side_cost`, weighed by the
   :class:`~kaisa.curvature.costs.CostModel`) over the multiply-add rate;
-* the inverse broadcast, per inverse update, when columns have more than one
-  rank: two broadcasts per side of each of the busiest column's layers
-  (eigenvectors and eigenvalues), ``calls · latency + bytes / bandwidth``;
+* the inverse broadcast, per inverse update, inside a column of ``m`` ranks:
+  two broadcasts per side of each of the busiest column's layers
+  (eigenvectors and eigenvalues), as a binomial tree:
+  ``⌈log₂ m⌉·(calls·latency + bytes/bandwidth)``;
 * preconditioning, per step: the busiest column's solve work over the rate
   (each rank solves only its column's layers);
-* the gradient broadcast, per step, when rows have more than one rank: one
-  broadcast per layer, ``layers · latency + bytes / bandwidth``.
+* the gradient broadcast, per step, inside a row of ``N/m`` ranks: one
+  broadcast per layer, ``⌈log₂(N/m)⌉·(layers·latency + bytes/bandwidth)``.
 
-A broadcast is charged what an all-reduce of the same bytes costs (the probe
-times all-reduces): an upper bound on a ring. The bucket size does not
+The probe times all-reduces on the whole group and reads the per-message
+latency and bandwidth off them through the ring's formula
+(:mod:`kaisa.distributed.probe`). Real collectives differ (NCCL pipelines a
+broadcast along a ring, gloo sends from the root to each peer in turn):
+these are the model's assumptions, written down. The bucket size does not
 change the choice in this model (the all-reduce costs every fraction alike,
 and overlap with the backward pass is not modelled), so ``allreduce_bucket_cap_mb``
 is kept as given.
@@ -142,9 +147,9 @@ class MemoryBudgetError(ValueError):
 class Link:
     """The speeds of the model: one collective's latency, the bandwidth, the compute rate.
 
-    ``latency_s``: seconds a collective costs whatever its size;
-    ``bandwidth``: bytes per second of an all-reduce's payload on the process
-    group; ``compute_rate``: multiply-adds per second of one rank's matrix
+    ``latency_s``: seconds one message between two ranks costs whatever its
+    size; ``bandwidth``: bytes per second of one such message;
+    ``compute_rate``: multiply-adds per second of one rank's matrix
     products (the unit of :class:`~kaisa.curvature.costs.CostModel`'s
     weights). Each must be a finite number > 0.
     """
@@ -220,7 +225,7 @@ class Link:
 
 
 #: The speeds ``kaisa plan`` assumes unless ``--link`` gives others: a GPU
-#: cluster's order of magnitude (20 us per collective, 10 GB/s, 10¹³
+#: cluster's order of magnitude (20 us per message, 10 GB/s per link, 10¹³
 #: multiply-adds per second), not a measurement.
 DEFAULT_LINK = Link(latency_s=2e-5, bandwidth=1e10, compute_rate=1e13)
 
@@ -351,14 +356,17 @@ class FractionModel:
         allreduce = 0.0
         if n > 1:
             buckets = len(bucket_layers(sizes, self.bucket_cap_mb))
-            allreduce = buckets * alpha + sum(s for _, s in sizes) * self.factor_bytes / beta
+            payload = sum(s for _, s in sizes) * self.factor_bytes
+            allreduce = 2 * (n - 1) * (buckets * alpha + payload / (n * beta))
         inverse_bc = 0.0
         if m > 1:
-            inverse_bc = max(c[1] * alpha + c[3] / beta for c in columns.values())
+            rounds = math.ceil(math.log2(m))
+            inverse_bc = rounds * max(c[1] * alpha + c[3] / beta for c in columns.values())
         grad_bc = 0.0
         if m < n:
+            rounds = math.ceil(math.log2(n // m))
             elements = sum(grad_broadcast_elements(la.a_size, la.g_size) for la in plan.layers)
-            grad_bc = len(plan.layers) * alpha + elements * self.grad_bytes / beta
+            grad_bc = rounds * (len(plan.layers) * alpha + elements * self.grad_bytes / beta)
         seconds = {
             "factor_allreduce": allreduce / self.factor_update_steps,
             "decomposition": max(refresh) / rate / self.inv_update_steps,

@@ -74,11 +74,13 @@ def _best(run: Any, device: torch.device) -> float:
 
 
 def probe_link(group: dist.ProcessGroup | None, device: torch.device) -> Link:
-    """This rank's speeds: all-reduce latency and bandwidth on ``group``, matmul rate.
+    """This rank's speeds: per-message latency and bandwidth on ``group``, matmul rate.
 
-    Collective (every rank of ``group`` calls it). The latency is the
-    smallest all-reduce's time; the bandwidth the extra bytes of the largest
-    over the middle one per extra second.
+    Collective (every rank of ``group`` calls it). All-reduces are timed and
+    read as a ring's ``2(n−1)`` messages (the model's all-reduce, so that it
+    gives back what was measured): the smallest one's time gives the latency,
+    the extra seconds per extra byte from the middle one to the largest the
+    bandwidth.
     """
     times = []
     for numel in PROBE_ELEMENTS:
@@ -86,10 +88,16 @@ def probe_link(group: dist.ProcessGroup | None, device: torch.device) -> Link:
         times.append(_best(lambda b=buffer: dist.all_reduce(b, group=group), device))
     extra = (PROBE_ELEMENTS[-1] - PROBE_ELEMENTS[1]) * 4
     slope = times[-1] - times[1]
-    bandwidth = extra / slope if slope > 0 else PROBE_ELEMENTS[-1] * 4 / times[-1]
+    per_byte = slope / extra if slope > 0 else times[-1] / (PROBE_ELEMENTS[-1] * 4)
+    # A ring all-reduce over n ranks: 2(n-1) messages of bytes/n each.
+    n = max(2, dist.get_world_size(group))
     matrix = torch.ones(MATMUL_SIDE, MATMUL_SIDE, device=device) / MATMUL_SIDE
     rate = MATMUL_SIDE**3 / _best(lambda: matrix @ matrix, device)
-    return Link(latency_s=times[0], bandwidth=bandwidth, compute_rate=rate)
+    return Link(
+        latency_s=times[0] / (2 * (n - 1)),
+        bandwidth=2 * (n - 1) / (n * per_byte),
+        compute_rate=rate,
+    )
 
 
 def _reduce(values: list[float], op: Any, group: Any, device: torch.device) -> list[float]:

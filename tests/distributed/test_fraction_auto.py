@@ -31,9 +31,9 @@ from kaisa.cli.shapes import module_layer_shapes
 from kaisa.distributed.fraction import LINK_ENV, FractionModel, Link, choose_stable
 
 WORLD = 4
-#: Slow collectives: COMM-OPT's one broadcast per ten steps beats a gradient broadcast per step.
+#: Slow messages: COMM-OPT's one broadcast per ten steps beats a gradient broadcast per step.
 SLOW = "latency=1e-3,bandwidth=1e9,compute=1e9"
-#: Fast collectives: MEM-OPT's smaller preconditioning wins.
+#: Fast messages: HYBRID-OPT (m = 2) wins: half the preconditioning, a one-round broadcast.
 FAST = "latency=1e-6,bandwidth=1e9,compute=1e9"
 #: A budget between MEM-OPT's memory (32004 bytes) and COMM-OPT's (47012).
 BUDGET = 40_000
@@ -106,7 +106,7 @@ def _cases(rank: int, world_size: int) -> dict[str, Any]:
         out["disagree"] = f"{type(error).__name__}: {error}"
 
     # A checkpoint written under the slow link (COMM-OPT) restored where the fast
-    # link would choose MEM-OPT: the checkpoint's choice wins.
+    # link would choose HYBRID-OPT: the checkpoint's choice wins.
     os.environ[LINK_ENV] = SLOW
     first = _model()
     pre = kaisa.KFACPreconditioner(first, **OPTIONS)
@@ -153,7 +153,7 @@ def test_auto_on_four_ranks_agrees_fits_refuses_and_restores() -> None:
     # Given speeds: the choice this process makes, on every rank.
     slow, fast = _expected(SLOW, None), _expected(FAST, None)
     budgeted = _expected(SLOW, BUDGET)
-    assert (slow, fast, budgeted) == (4, 1, 1)
+    assert (slow, fast, budgeted) == (4, 2, 2)
     model = FractionModel(factor_update_steps=1, inv_update_steps=10)
     costs = {
         p.grad_workers: model.cost(p, Link.parse(SLOW).rounded())
@@ -173,9 +173,9 @@ def test_auto_on_four_ranks_agrees_fits_refuses_and_restores() -> None:
         assert "the smallest is 32004 bytes" in r["too_small"]
         assert r["disagree"].startswith("RankDisagreementError")
         assert "grad_worker_fraction: rank 0 has auto, rank 1 has given" in r["disagree"]
-        assert r["restore"] == (1, 4, True, 4)
+        assert r["restore"] == (2, 4, True, 4)
         assert r["restore_identical"] is True
         assert "needs 47012 bytes" in r["restore_refused"]
         assert "memory_budget of 40000 bytes" in r["restore_refused"]
-        assert r["after_refusal"] == (1, 1)
+        assert r["after_refusal"] == (2, 2)
     assert {r["slow"][2] for r in results} == {costs[4].memory_bytes}
