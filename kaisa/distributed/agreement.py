@@ -216,7 +216,7 @@ def describe(digests: Sequence[dict[str, object]]) -> str | None:
 
 def _show(value: object) -> str:
     if isinstance(value, str):
-        return value if value in (_ABSENT, "auto", "given", "schedule") else repr(value)
+        return value if value in (_ABSENT, "auto", "given", "probed", "schedule") else repr(value)
     if isinstance(value, float):
         return f"{value:g}" if float(f"{value:g}") == value else repr(value)
     return json.dumps(value) if isinstance(value, list) else repr(value)

@@ -149,6 +149,8 @@ def settle_fraction(
             inv_dtype=inv_dtype,
             product_dtype=product_dtype,
         )
+        if options.grad_worker_fraction == "auto":  # probed on every rank, or given on every one
+            digest[LINK_ENV] = "given" if os.environ.get(LINK_ENV, "").strip() else "probed"
         check_agreement(digest, group)
 
     if options.grad_worker_fraction != "auto":

@@ -9,7 +9,8 @@ One launch runs every case (process start-up dominates the cost):
   process for the same shapes, with and without a budget, and each rank's
   measured memory is the model's and within the budget;
 * a budget no fraction meets: the same error on every rank;
-* a rank given another fraction than ``'auto'``: every rank raises
+* a rank given another fraction than ``'auto'``, or speeds given on one rank
+  only: every rank raises
   :class:`~kaisa.distributed.agreement.RankDisagreementError` naming it;
 * a checkpoint's choice wins over a new preconditioner's (same world size),
   and the restored run continues bit-identically; one that does not fit the
@@ -105,6 +106,18 @@ def _cases(rank: int, world_size: int) -> dict[str, Any]:
     except RuntimeError as error:
         out["disagree"] = f"{type(error).__name__}: {error}"
 
+    # Speeds given on one rank only: the others would probe (collectives the
+    # first would not join); every rank refuses, naming the variable.
+    if rank == 0:
+        os.environ[LINK_ENV] = SLOW
+    else:
+        os.environ.pop(LINK_ENV, None)
+    try:
+        kaisa.KFACPreconditioner(model, **OPTIONS).remove_hooks()
+        out["link_disagree"] = "constructed"
+    except RuntimeError as error:
+        out["link_disagree"] = f"{type(error).__name__}: {error}"
+
     # A checkpoint written under the slow link (COMM-OPT) restored where the fast
     # link would choose HYBRID-OPT: the checkpoint's choice wins.
     os.environ[LINK_ENV] = SLOW
@@ -173,6 +186,8 @@ def test_auto_on_four_ranks_agrees_fits_refuses_and_restores() -> None:
         assert "the smallest is 32004 bytes" in r["too_small"]
         assert r["disagree"].startswith("RankDisagreementError")
         assert "grad_worker_fraction: rank 0 has auto, rank 1 has given" in r["disagree"]
+        assert r["link_disagree"].startswith("RankDisagreementError")
+        assert f"{LINK_ENV}: rank 0 has given, rank 1 has probed" in r["link_disagree"]
         assert r["restore"] == (2, 4, True, 4)
         assert r["restore_identical"] is True
         assert "needs 47012 bytes" in r["restore_refused"]
