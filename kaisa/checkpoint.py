@@ -26,6 +26,12 @@ What a load does with what it finds:
   only steers later factor updates). A checkpoint without a format
   version (format 1, written before curvature representations) loads
   into all-exact layers only, and its second-order state is recomputed.
+* A ``grad_worker_fraction='auto'`` choice in the checkpoint wins over the
+  loading preconditioner's own ``'auto'`` choice when both were made for
+  the same world size (the ranks then remake their column and row groups:
+  every rank must load) and it fits the loading preconditioner's memory
+  budget (otherwise the load is refused, naming both); made for another
+  world size, the loading preconditioner's choice stands, with a warning.
 * If the checkpoint was written under a different placement (world size
   or fraction), second-order state is recomputed from the factors at
   the next ``step()``. Under KAISA each rank holds second-order state
@@ -50,9 +56,11 @@ from kaisa.choices import COMPUTE_METHODS, DAMPING_MODES, EIGEN_CORRECTIONS, FAC
 from kaisa.curvature.block import BlockLayout, CheckedBlockState, Factor, check_block_state
 from kaisa.curvature.budget import BudgetChoice
 from kaisa.curvature.costs import SideSpec
+from kaisa.distributed.fraction import FractionChoice, format_bytes
 from kaisa.distributed.plan import WorkPlan
 from kaisa.options import KFACOptions
 from kaisa.validation import check_count, key_differences
+from kaisa.warn import warn
 
 __all__ = ["STATE_FORMAT", "STATE_OPTIONS", "CheckpointTarget", "LayerSlot", "Restore"]
 
@@ -117,11 +125,12 @@ class CheckpointTarget:
     pending: bool
     choice: BudgetChoice | None
     plan: WorkPlan
-    make_plan: Callable[[Mapping[str, tuple[str, str]]], WorkPlan]
+    make_plan: Callable[[Mapping[str, tuple[str, str]], int], WorkPlan]
     rank: int
     world_size: int
     factor_dtype: torch.dtype
     inv_dtype: torch.dtype
+    fraction: FractionChoice  # the gradient workers in force, and how they were chosen
 
 
 @dataclass(frozen=True)
@@ -134,6 +143,8 @@ class Restore:
     steps: int
     recompute: bool  # the second-order state is recomputed at the next step()
     converted: list[str]  # options whose other value in the checkpoint was converted
+    fraction: FractionChoice | None  # a grad_worker_fraction='auto' choice to adopt
+    plan: WorkPlan  # the plan after the load (the adopted choices')
     #: The shared weights' second-order state to load, by owner (with ``second_order``).
     shared: dict[str, dict[Factor, list[torch.Tensor]]] = field(default_factory=dict)
 
@@ -146,6 +157,7 @@ def write_state(
     options: KFACOptions,
     choice: BudgetChoice | None,
     blocks: Mapping[str, dict[str, object]],
+    fraction: FractionChoice | None = None,
 ) -> dict[str, Any]:
     """The state dict: see the module docstring (``blocks``: each layer's block state)."""
     return {
@@ -155,6 +167,7 @@ def write_state(
         "grad_workers": grad_workers,
         "options": {name: getattr(options, name) for name in STATE_OPTIONS},
         "curvature_choice": None if choice is None else choice.state_dict(),
+        "grad_worker_choice": None if fraction is None else fraction.state_dict(),
         "layers": dict(blocks),
     }
 
@@ -229,6 +242,42 @@ def _saved_choice(saved: object, target: CheckpointTarget) -> BudgetChoice | Non
     return choice
 
 
+def _saved_fraction(
+    saved: object, target: CheckpointTarget
+) -> tuple[FractionChoice | None, str | None]:
+    """The checkpoint's ``grad_worker_fraction='auto'`` choice to adopt, and a note to warn.
+
+    It wins over this preconditioner's own ``'auto'`` choice when made for
+    the same world size and it fits this preconditioner's memory budget
+    (otherwise refused, naming both); made for another world size, this
+    preconditioner's choice stands (the note says so). A preconditioner
+    given its fraction keeps it.
+    """
+    if saved is None:
+        return None, None
+    where = "state_dict 'grad_worker_choice'"
+    world, m = FractionChoice.from_state(saved, where)
+    mine = target.fraction
+    if not mine.auto or (world, m) == (mine.world_size, mine.grad_workers):
+        return None, None
+    if world != target.world_size:
+        return None, (
+            f"kaisa: the checkpoint's grad_worker_fraction='auto' choice ({m} gradient "
+            f"worker(s) per layer of {world} ranks) was made for another world size; this "
+            f"preconditioner keeps its own ({mine.grad_workers} of {target.world_size})"
+        )
+    cost = mine.cost_of(m)
+    budget = mine.memory_budget
+    if cost is not None and budget is not None and cost.memory_bytes > budget:
+        raise ValueError(
+            f"{where}: the checkpoint's choice of {m} gradient worker(s) per layer needs "
+            f"{cost.memory_bytes} bytes ({format_bytes(cost.memory_bytes)}) per rank, above "
+            f"this preconditioner's memory_budget of {budget:.0f} bytes "
+            f"({format_bytes(budget)}); give a larger memory_budget to resume with it"
+        )
+    return mine.adopt(m), None
+
+
 def read_state(state_dict: object, target: CheckpointTarget) -> Restore:
     """Everything a load will install, checked against ``target``; nothing is changed here.
 
@@ -253,7 +302,7 @@ def read_state(state_dict: object, target: CheckpointTarget) -> Restore:
     if not legacy:
         required += ["curvature_choice", "format", "options"]
     missing, unexpected = key_differences(
-        state_dict, sorted(required), optional=("curvature_choice", "format")
+        state_dict, sorted(required), optional=("curvature_choice", "format", "grad_worker_choice")
     )
     if missing:
         raise ValueError(
@@ -283,11 +332,14 @@ def read_state(state_dict: object, target: CheckpointTarget) -> Restore:
         )
     choice = _saved_choice(state_dict.get("curvature_choice"), target)
     adopt = choice if choice is not None and target.pending else None
+    fraction, note = _saved_fraction(state_dict.get("grad_worker_choice"), target)
     if adopt is not None:
         specs = {layer.name: adopt.specs[layer.name] for layer in target.layers}
-        plan = target.make_plan(specs)
     else:
         specs = {layer.name: layer.specs for layer in target.layers}
+    if adopt is not None or fraction is not None:
+        plan = target.make_plan(specs, (fraction or target.fraction).grad_workers)
+    else:
         plan = target.plan
     if legacy:
         for name, (a, g) in specs.items():
@@ -377,4 +429,23 @@ def read_state(state_dict: object, target: CheckpointTarget) -> Restore:
                 # sees the same checkpoint and decides alike, and the recompute
                 # only talks inside the column, so ranks need not agree on this.
                 recompute = True
-    return Restore(adopt, blocks, load_second_order, steps, recompute, converted, shared)
+    if converted:
+        warn(
+            "kaisa: the checkpoint was written with "
+            + ", ".join(converted)
+            + "; its factors are loaded and the second-order state is recomputed from "
+            "them at the next step()"
+        )
+    if note:
+        warn(note)
+    return Restore(
+        adopt,
+        blocks,
+        load_second_order,
+        steps,
+        recompute,
+        converted,
+        fraction=fraction,
+        plan=plan,
+        shared=shared,
+    )

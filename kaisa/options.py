@@ -33,6 +33,7 @@ from kaisa.choices import (
 )
 from kaisa.curvature.budget import MIN_FACTOR_STEPS, MIN_INV_STEPS
 from kaisa.curvature.costs import DEFAULT_COST_MODEL, CostModel, SideSpec, check_cost_model
+from kaisa.distributed.fraction import parse_bytes
 from kaisa.distributed.plan import FractionSpec, resolve_grad_workers
 from kaisa.schedules import Hyperparameter
 from kaisa.validation import Rule, check_dtype, check_flag, check_number, one_of
@@ -232,8 +233,16 @@ class KFACOptions:
         compute_method: 'eigen' (exact solve) or 'inverse' (damped inverses).
         compute_eigenvalue_outer_product: precompute ``1 ⊘ (λ_G λ_Aᵀ + γ)`` at
             each inverse update (damping frozen until the next one).
-        grad_worker_fraction: float in ``[0, 1]`` (0 means ``1/N``) or
-            'comm-opt', 'hybrid-opt', 'mem-opt'.
+        grad_worker_fraction: float in ``[0, 1]`` (0 means ``1/N``),
+            'comm-opt', 'hybrid-opt', 'mem-opt', or 'auto': the fraction that
+            fits ``memory_budget`` and has the least modelled time per step,
+            with the network's latency and bandwidth measured on the process
+            group at construction (:mod:`kaisa.distributed.fraction`;
+            ``grad_worker_choice`` holds the outcome).
+        memory_budget: bytes per rank for the factors and second-order state
+            under ``grad_worker_fraction='auto'`` (a number, or a string such
+            as ``'2GiB'``); ``None``: the device's free memory on a CUDA
+            device, no limit elsewhere. Only with ``'auto'``.
         symmetry_aware: all-reduce only the upper triangles of the factors.
         grad_scaler: a ``torch.amp.GradScaler`` or a callable returning the
             current loss scale; captured output gradients are unscaled with it.
@@ -335,6 +344,7 @@ class KFACOptions:
     compute_method: ComputeMethod = "eigen"
     compute_eigenvalue_outer_product: bool = True
     grad_worker_fraction: FractionSpec = "comm-opt"
+    memory_budget: int | str | None = None
     symmetry_aware: bool = False
     grad_scaler: object = None
     factor_dtype: torch.dtype | None = None
@@ -453,7 +463,19 @@ class KFACOptions:
         ):
             check_flag(name, getattr(self, name))
         # The fraction is checked against every world size later; here its form.
-        resolve_grad_workers(self.grad_worker_fraction, 1)
+        fraction = self.grad_worker_fraction
+        if isinstance(fraction, str) and fraction.strip().lower() == "auto":
+            set_(self, "grad_worker_fraction", "auto")
+        else:
+            resolve_grad_workers(fraction, 1)
+        if self.memory_budget is not None:
+            if self.grad_worker_fraction != "auto":
+                raise ValueError(
+                    "memory_budget is the budget of grad_worker_fraction='auto'; got "
+                    f"memory_budget={self.memory_budget!r} with grad_worker_fraction="
+                    f"{fraction!r} (leave memory_budget=None, or let kaisa choose the fraction)"
+                )
+            set_(self, "memory_budget", parse_bytes(self.memory_budget, "memory_budget"))
         scaler = self.grad_scaler
         if scaler is not None and not (callable(scaler) or hasattr(scaler, "get_scale")):
             raise TypeError(

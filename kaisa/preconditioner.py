@@ -34,7 +34,6 @@ from kaisa.curvature.costs import DEFAULT_COST_MODEL, CostModel
 from kaisa.curvature.fold import fold_batch
 from kaisa.curvature.grafting import graft
 from kaisa.curvature.linalg import kl_clip_scale
-from kaisa.distributed.agreement import agreement_digest, check_agreement
 from kaisa.distributed.comm import (
     Communicator,
     PayloadKey,
@@ -43,6 +42,7 @@ from kaisa.distributed.comm import (
     payload_layout,
 )
 from kaisa.distributed.plan import LayerShape, WorkPlan, make_plan
+from kaisa.distributed.probe import settle_fraction
 from kaisa.engines import select_engine
 from kaisa.engines.base import LossScale
 from kaisa.layers import LayerHandler
@@ -138,6 +138,7 @@ class KFACPreconditioner:
         compute_method: str = "eigen",
         compute_eigenvalue_outer_product: bool = True,
         grad_worker_fraction: float | str = "comm-opt",
+        memory_budget: int | str | None = None,
         symmetry_aware: bool = False,
         grad_scaler: Any = None,
         factor_dtype: torch.dtype | None = None,
@@ -195,20 +196,17 @@ class KFACPreconditioner:
         self.telemetry = Telemetry()
         self._auto = AutoChoice.for_layers(found, options, self.telemetry, self.device)
         provisional = {name: self._auto.provisional(name) for name, _ in found}
-        self.plan: WorkPlan = self._make_plan(dict(found), provisional)  # (validates the sides)
-        # Before the communicator makes its process groups: ranks set up
-        # differently would hang or abort there (spec §10).
-        check_agreement(
-            agreement_digest(
-                options,
-                self.plan,
-                [(name, h.a_size, h.g_size) for name, h in found],
-                factor_dtype=self.factor_dtype,
-                inv_dtype=self.inv_dtype,
-                product_dtype=self.product_dtype,
-            ),
-            self.process_group,
+        # The fraction, given or 'auto' (measured and chosen), and the ranks' agreement
+        # check, before the communicator makes its groups (spec §10).
+        self.grad_worker_choice = settle_fraction(
+            options,
+            [LayerShape(name, h.a_size, h.g_size, *provisional[name]) for name, h in found],
+            *(self.world_size, self.process_group, self.device),
+            factor_dtype=self.factor_dtype,
+            inv_dtype=self.inv_dtype,
+            product_dtype=self.product_dtype,
         )
+        self.plan: WorkPlan = self._make_plan(dict(found), provisional)
         self._roster = Roster(
             found,
             provisional,
@@ -278,12 +276,12 @@ class KFACPreconditioner:
 
     # -- plan, blocks and the automatic choice -------------------------------------------
     def _make_plan(
-        self, handlers: Mapping[str, LayerHandler], specs: Mapping[str, tuple[str, str]]
+        self, handlers: Mapping[str, LayerHandler], specs: Mapping[str, tuple[str, str]], m: int = 0
     ) -> WorkPlan:
         return make_plan(
             [LayerShape(name, h.a_size, h.g_size, *specs[name]) for name, h in handlers.items()],
             self.world_size,
-            self.options.grad_worker_fraction,
+            (m or self.grad_worker_choice.grad_workers) / self.world_size,
             self.options.assignment_strategy,
             self.options.colocate_factors,
         )
@@ -596,6 +594,7 @@ class KFACPreconditioner:
             options=self.options,
             choice=self._auto.choice,
             blocks={layer.name: layer.state_dict() for layer in self._roster},
+            fraction=self.grad_worker_choice,
         )
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -617,15 +616,13 @@ class KFACPreconditioner:
             world_size=self.world_size,
             factor_dtype=self.factor_dtype,
             inv_dtype=self.inv_dtype,
+            fraction=self.grad_worker_choice,
         )
-        restore = read_state(state_dict, target)
-        if restore.converted:
-            warn(
-                "kaisa: the checkpoint was written with "
-                + ", ".join(restore.converted)
-                + "; its factors are loaded and the second-order state is recomputed from "
-                "them at the next step()"
-            )
+        restore = read_state(state_dict, target)  # (warns of what it converts)
+        if restore.fraction is not None:  # the checkpoint's 'auto' choice wins (collective)
+            self.comm.regroup(restore.plan, payload_layout(self._roster.keys(), restore.plan))
+            self.grad_worker_choice, self.plan = restore.fraction, restore.plan
+            self._roster.place(self.plan, self.rank)
         # Nothing below can fail: every value was checked above.
         if restore.choice is not None:
             self._apply_choice(restore.choice)

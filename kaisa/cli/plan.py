@@ -30,6 +30,16 @@ from kaisa.choices import (
 from kaisa.cli.shapes import module_layer_shapes
 from kaisa.curvature.costs import SideSpec
 from kaisa.distributed.cost import CostSummary, summarize
+from kaisa.distributed.fraction import (
+    DEFAULT_LINK,
+    FractionChoice,
+    FractionCost,
+    FractionModel,
+    Link,
+    choose_stable,
+    format_bytes,
+    parse_bytes,
+)
 from kaisa.distributed.layer_shapes import SHAPE_MODELS
 from kaisa.distributed.plan import (
     FractionSpec,
@@ -245,6 +255,23 @@ def _parser() -> _Parser:
         metavar="F",
         help="also print the per-layer placement for fraction F (default: the first listed)",
     )
+    p.add_argument(
+        "--memory-budget",
+        default=None,
+        metavar="BYTES",
+        help="bytes per rank for factors and second-order state (e.g. 2GiB, 512MB, 3e9): "
+        "also print which fractions fit, each one's modelled time per step, and the one "
+        "grad_worker_fraction='auto' would choose (the fastest that fits)",
+    )
+    p.add_argument(
+        "--link",
+        default=None,
+        metavar="SPEC",
+        help="the speeds of the time model, latency=SECONDS,bandwidth=BYTES_PER_S,"
+        "compute=MULTIPLY_ADDS_PER_S, rounded to powers of two as a training run rounds its "
+        "probe (default: latency=2e-5,bandwidth=1e10,compute=1e13, an assumed GPU cluster; "
+        "a training run measures its own)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
 
@@ -353,6 +380,66 @@ def _at_least_one(flag: str, value: int) -> int:
         raise _UsageError(str(error)) from None
 
 
+def _budget_choice(
+    run: Sequence[LayerShape], n: int, budget: int, link: Link, args: argparse.Namespace
+) -> FractionChoice:
+    """What ``grad_worker_fraction='auto'`` chooses for ``run`` on ``n`` ranks (float32)."""
+    model = FractionModel(
+        compute_method=args.compute_method,
+        eigen_outer_product=args.eigen_outer_product,
+        symmetry_aware=args.symmetry_aware,
+        assignment_strategy=args.assignment_strategy,
+        colocate_factors=args.colocate,
+        factor_update_steps=args.factor_update_steps,
+        inv_update_steps=args.inv_update_steps,
+    )
+    return choose_stable(run, n, link, budget, model)
+
+
+def _budget_table(choice: FractionChoice, shown: Sequence[int]) -> str:
+    """Each shown fraction (and the chosen one) with its memory, fit and modelled time."""
+    budget = choice.memory_budget or 0.0
+    assert choice.link is not None
+    head = (
+        f"{'m':>6} {'fraction':>9} {'strategy':<10} | {'memory/rank':>11} {'fits':>4} | "
+        f"{'ms/step':>9} {'AR':>8} {'decomp':>8} {'inv bc':>8} {'precond':>8} {'grad bc':>8}"
+    )
+    lines = [
+        f"memory budget {format_bytes(budget)} per rank: modelled time per step (ms; factor "
+        f"all-reduce, decompositions, inverse broadcast, preconditioning, gradient broadcast) "
+        f"at {choice.link.describe()}",
+        head,
+        "-" * len(head),
+    ]
+    rows = sorted(set(shown) | {1, choice.world_size, choice.grad_workers})
+    for c in choice.costs:
+        if c.grad_workers not in rows:
+            continue
+        parts = " ".join(f"{c.seconds[k] * 1e3:>8.3g}" for k in c.seconds)
+        mark = "  <- chosen" if c.grad_workers == choice.grad_workers else ""
+        lines.append(
+            f"{c.grad_workers:>6} {_fraction_label(c.grad_workers, c.world_size):>9} "
+            f"{c.strategy_name:<10} | {format_bytes(c.memory_bytes):>11} "
+            f"{'yes' if c.memory_bytes <= budget else 'no':>4} | {c.time_s * 1e3:>9.4g} "
+            f"{parts}{mark}"
+        )
+    chosen = choice.cost_of(choice.grad_workers)
+    comm, mem = choice.cost_of(choice.world_size), choice.cost_of(1)
+    assert chosen is not None and comm is not None and mem is not None
+
+    def brief(cost: FractionCost) -> str:
+        fits = "fits" if cost.memory_bytes <= budget else "does not fit"
+        return f"{format_bytes(cost.memory_bytes)}, {cost.time_s * 1e3:.4g} ms/step ({fits})"
+
+    lines.append(
+        f"grad_worker_fraction='auto' chooses m={chosen.grad_workers} (fraction "
+        f"{_fraction_label(chosen.grad_workers, chosen.world_size)}, {chosen.strategy_name}): "
+        f"{brief(chosen)}; COMM-OPT: {brief(comm)}; MEM-OPT: {brief(mem)}"
+        + ("; a speed lay at a rounding boundary" if choice.boundary else "")
+    )
+    return "\n".join(lines)
+
+
 def _run(argv: Sequence[str]) -> int:
     args = _parser().parse_args(list(argv))
     n = _at_least_one("--world-size", args.world_size)
@@ -382,12 +469,24 @@ def _run(argv: Sequence[str]) -> int:
             resolve_grad_workers(parse_fraction(args.show_plan), n) if args.show_plan else ms[0]
         )
 
+    budget: int | None = None
+    if args.memory_budget is not None:
+        try:
+            budget = parse_bytes(args.memory_budget, "argument --memory-budget:")
+        except (TypeError, ValueError) as error:
+            raise _UsageError(str(error)) from None
+    try:
+        link = Link.parse(args.link, "argument --link") if args.link else DEFAULT_LINK
+    except ValueError as error:
+        raise _UsageError(str(error)) from None
     strategy = cast(AssignmentStrategy, args.assignment_strategy)
     method = cast(ComputeMethod, args.compute_method)
     runs = split_stages(shapes, stages) if stages > 1 else [shapes]
     stage_plans: list[dict[int, WorkPlan]] = []
     stage_summaries: list[list[CostSummary]] = []
+    stage_choices: list[FractionChoice | None] = []
     for run in runs:
+        stage_choices.append(None if budget is None else _budget_choice(run, n, budget, link, args))
         plans: dict[int, WorkPlan] = {
             m: make_plan(run, n, m / n, strategy, args.colocate)
             for m in sorted(set(ms) | ({show_m} if show_m is not None else set()))
@@ -420,15 +519,27 @@ def _run(argv: Sequence[str]) -> int:
         "factor_update_steps": args.factor_update_steps,
         "inv_update_steps": args.inv_update_steps,
     }
+    if budget is not None:
+        settings.update(memory_budget=budget, link=link.to_dict())
     if stages > 1:
         settings.update(world_size=world, pipeline_stages=stages, data_parallel_size=n)
     if args.json:
         out: dict[str, object] = dict(settings)
         parts: list[dict[str, object]] = []
-        for run, plans, summaries in zip(runs, stage_plans, stage_summaries, strict=True):
+        for run, plans, summaries, choice in zip(
+            runs, stage_plans, stage_summaries, stage_choices, strict=True
+        ):
             part: dict[str, object] = {
                 "fractions": [s.to_dict(_BYTES_PER_ELEMENT) for s in summaries]
             }
+            if choice is not None:
+                assert choice.link is not None
+                part["auto"] = {
+                    "grad_workers": choice.grad_workers,
+                    "link_rounded": choice.link.to_dict(),
+                    "boundary": choice.boundary,
+                    "fractions": [c.to_dict() for c in choice.costs],
+                }
             if show_m is not None:
                 part["plan"] = _plan_json(plans[show_m])
             if stages > 1:
@@ -465,6 +576,9 @@ def _run(argv: Sequence[str]) -> int:
                 f"planned over its {n} data-parallel ranks"
             )
         print(_tables(summaries))
+        if stage_choices[k] is not None:
+            print()
+            print(_budget_table(stage_choices[k], ms))  # type: ignore[arg-type]
         if show_m is not None:
             plan = plans[show_m]
             load = plan.decomposition_cost()

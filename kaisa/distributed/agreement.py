@@ -130,6 +130,7 @@ def agreement_digest(
     digest: dict[str, object] = {
         "world_size": int(plan.world_size),
         "grad_workers": int(plan.grad_workers),
+        "grad_worker_fraction": "auto" if options.grad_worker_fraction == "auto" else "given",
     }
     for name in _HYPER:
         digest[name] = _hyper(options, name)
@@ -215,7 +216,7 @@ def describe(digests: Sequence[dict[str, object]]) -> str | None:
 
 def _show(value: object) -> str:
     if isinstance(value, str):
-        return value if value in (_ABSENT, "auto", "schedule") else repr(value)
+        return value if value in (_ABSENT, "auto", "given", "probed", "schedule") else repr(value)
     if isinstance(value, float):
         return f"{value:g}" if float(f"{value:g}") == value else repr(value)
     return json.dumps(value) if isinstance(value, list) else repr(value)

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from kaisa.curvature.costs import Capture, SideSpec
-from kaisa.distributed.agreement import seconds_from_env
+from kaisa.distributed.agreement import check_agreement, seconds_from_env
+from kaisa.distributed.cost import bucket_layers
 from kaisa.distributed.plan import WorkPlan
 from kaisa.telemetry import Telemetry
 
@@ -250,6 +251,30 @@ class Communicator:
         self._buckets = self._make_buckets(self._bucket_cap_mb)
         self._bucket_of = {name: b for b in self._buckets for name in b.names}
 
+    def regroup(
+        self, plan: WorkPlan, layout: Mapping[str, Sequence[tuple[PayloadKey, int]]]
+    ) -> None:
+        """Adopt a plan with another number of gradient workers (a restored choice).
+
+        Collective: every rank of the group must call it, with the same
+        ``plan``, between steps. The ranks first compare the new number of
+        gradient workers (:func:`~kaisa.distributed.agreement.check_agreement`:
+        ranks that differ, or one that does not come, raise
+        :class:`~kaisa.distributed.agreement.RankDisagreementError`), then make
+        the new column and row groups.
+        """
+        if plan.world_size != self.world_size:
+            raise ValueError("a new plan must keep the world size")
+        if any(b.ready or b.work is not None for b in self._buckets):
+            raise RuntimeError("kaisa: the plan changed while factors were in flight")
+        if self.distributed:
+            check_agreement({"restored grad_workers": plan.grad_workers}, self.group)
+            self.plan = plan
+            self.column_groups, self.row_groups = {}, {}
+            self._make_groups()
+        self.plan = plan
+        self.set_layout(layout, plan)
+
     # -- groups ----------------------------------------------------------------
     def _make_groups(self) -> None:
         plan = self.plan
@@ -313,23 +338,17 @@ class Communicator:
 
     # -- factor all-reduce -------------------------------------------------------
     def _make_buckets(self, cap_mb: float) -> list[_Bucket]:
-        cap = max(1, int(cap_mb * 2**20 / 4))  # elements of float32 payload
-        buckets: list[_Bucket] = []
-        current: list[str] = []
-        size = 0
-        for la in reversed(self.plan.layers):
-            numel = sum(
-                payload_numel(capture, n, self.symmetry_aware)
-                for (_, capture), n in self._layout[la.name]
+        sizes = [
+            (
+                la.name,
+                sum(
+                    payload_numel(capture, n, self.symmetry_aware)
+                    for (_, capture), n in self._layout[la.name]
+                ),
             )
-            if current and size + numel > cap:
-                buckets.append(_Bucket(tuple(current)))
-                current, size = [], 0
-            current.append(la.name)
-            size += numel
-        if current:
-            buckets.append(_Bucket(tuple(current)))
-        return buckets
+            for la in self.plan.layers
+        ]
+        return [_Bucket(names) for names in bucket_layers(sizes, cap_mb)]
 
     @property
     def distributed(self) -> bool:

@@ -54,6 +54,7 @@ __all__ = [
     "MaxMean",
     "RankMemory",
     "RankTraffic",
+    "bucket_layers",
     "factor_allreduce_elements",
     "factor_elements",
     "grad_broadcast_elements",
@@ -132,6 +133,30 @@ def inverse_broadcast_elements(
 def grad_broadcast_elements(a: int, g: int) -> int:
     """Elements of one layer's preconditioned-gradient broadcast, ``a·g``."""
     return a * g
+
+
+def bucket_layers(sizes: Sequence[tuple[str, int]], cap_mb: float) -> list[tuple[str, ...]]:
+    """The factor all-reduce's buckets: layer names, in reverse registration order.
+
+    ``sizes``: each layer's payload elements, in registration order; a bucket
+    closes before a layer that would take it past ``cap_mb`` MiB of float32
+    payload (a layer larger than the cap has a bucket of its own). The
+    communicator sends these buckets; the cost model counts them
+    (:mod:`kaisa.distributed.fraction`).
+    """
+    cap = max(1, int(cap_mb * 2**20 / 4))  # elements of float32 payload
+    buckets: list[tuple[str, ...]] = []
+    current: list[str] = []
+    size = 0
+    for name, numel in reversed(sizes):
+        if current and size + numel > cap:
+            buckets.append(tuple(current))
+            current, size = [], 0
+        current.append(name)
+        size += numel
+    if current:
+        buckets.append(tuple(current))
+    return buckets
 
 
 # --- per rank ----------------------------------------------------------------------------------

@@ -189,10 +189,16 @@ def resolve_grad_workers(grad_worker_fraction: FractionSpec, world_size: int) ->
     check_count(world_size, "world_size", 1, type_error=ValueError)
     if isinstance(grad_worker_fraction, str):
         key = grad_worker_fraction.lower()
+        if key == "auto":
+            raise ValueError(
+                "grad_worker_fraction='auto' is chosen by the preconditioner at construction "
+                "(kaisa.distributed.fraction); a plan needs the number of gradient workers"
+            )
         if key not in NAMED_FRACTIONS:
             raise ValueError(
                 f"grad_worker_fraction must be a float in [0, 1] or one of "
-                f"{', '.join(map(repr, NAMED_FRACTIONS))}; got {grad_worker_fraction!r}"
+                f"{', '.join(map(repr, NAMED_FRACTIONS))}; got {grad_worker_fraction!r} "
+                "(or 'auto': chosen for memory_budget)"
             )
         fraction = {"comm-opt": 1.0, "hybrid-opt": 0.5, "mem-opt": 0.0}[key]
     elif isinstance(grad_worker_fraction, (int, float)) and not isinstance(
