@@ -43,6 +43,7 @@ OPTIONS: dict[str, Any] = {
     "curvature": "exact",
     "factor_update_steps": 1,
     "inv_update_steps": 10,
+    "lr": 0.1,
 }
 
 
