@@ -103,16 +103,53 @@ def test_checkpoints_without_the_option_or_with_stray_scales() -> None:
         target.load_state_dict(state)
 
 
-def test_the_correction_applies_to_exact_layers_only() -> None:
-    model = _net()
+def test_the_correction_applies_to_exact_and_diagonal_sides_only() -> None:
+    """Exact and diagonal sides have explicit bases (``Q``, the identity); low rank does not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3))
+    curvature = {"^0$": "exact", "^2$": ("lowrank:2", "exact"), "^4$": ("exact", "diagonal")}
     pre = kaisa.KFACPreconditioner(
-        model,
-        eigenvalue_correction="adam",
-        **{**OPTIONS, "curvature": {"^0$": "exact", "^2$": ("exact", "diagonal")}},
+        model, eigenvalue_correction="adam", **{**OPTIONS, "curvature": curvature}
     )
     _train(model, pre, range(3))
     states = {layer.name: layer.block.state_dict() for layer in pre.layers}
-    assert "eigen_scales" in states["0"] and "eigen_scales" not in states["2"]
+    assert "eigen_scales" in states["0"] and "eigen_scales" in states["4"]
+    assert "eigen_scales" not in states["2"]
+    assert states["4"]["eigen_scales"].shape == (3, 9)  # (out, in + bias)
+
+
+def test_a_diagonal_side_is_corrected_in_the_other_sides_basis_only() -> None:
+    """Layer ``(exact A, diagonal G)``: ``P = [(∇ Q_A) ⊘ √(S + γ s̄)] Q_Aᵀ`` with ``S``
+    the mean of ``(∇ Q_A)²`` over the steps (float64, recomputed from the gradients)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4)).double()
+    options = {**OPTIONS, "factor_update_steps": 1, "inv_update_steps": 1, "damping": 0.01}
+    pre = kaisa.KFACPreconditioner(
+        model,
+        eigenvalue_correction="adam",
+        eigenvalue_decay=0.5,
+        inv_dtype=torch.float64,
+        **{**options, "curvature": ("exact", "diagonal"), "kl_clip": None},
+    )
+    layer = model[0]
+    squares = []
+    for step in range(3):
+        model.zero_grad()
+        x, y = _batch(step)
+        loss = F.cross_entropy(model(x.double())[:, :3], y)
+        loss.backward()
+        grad = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], dim=1).clone()
+        pre.step()
+        qa = pre.layers[0].block.second_order["a"][0]  # refreshed at this step
+        v = grad @ qa
+        squares.append(v * v)
+    scales = squares[0]
+    for k, square in enumerate(squares[1:], start=1):
+        xi = min(0.5, k / (k + 1))
+        scales = xi * scales + (1 - xi) * square
+    expected = (v / (scales + 0.01 * scales.mean()).sqrt()) @ qa.t()
+    got = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], dim=1)
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("correction", ["off", "adam"])

@@ -91,6 +91,11 @@ HELD_FACTOR_WARNING = 0.1
 #: ordinary ones is still refused.
 OUTLIER_PATIENCE = 1
 
+#: The side representations whose eigenbasis is explicit, so that the
+#: eigenvalue correction can rotate into it: exact (``Q`` of the factor) and
+#: diagonal (the identity).
+CORRECTED_KINDS = ("exact", "diagonal")
+
 #: What :meth:`KroneckerBlock.fold_unless_outlier` did with a batch.
 FoldStatus = Literal["folded", "held", "spike", "rescaled"]
 
@@ -162,9 +167,15 @@ class KroneckerBlock:
         #: Both sides exact: spec §4's exact solve (eigen or inverse).
         self.exact = all(spec.kind == "exact" for spec in specs.values())
         side_method = method if self.exact else "eigen"
-        #: Eigenvalue correction (``'ekfac'``, ``'adam'``) of an all-exact eigen
-        #: layer; ``'off'`` for every other layer (spec §11).
-        self.correction: EigenCorrection = correction if self.exact and method == "eigen" else "off"
+        #: Eigenvalue correction (``'adam'``) of a layer whose sides have explicit
+        #: eigenbases: exact (eigen method) or diagonal (the identity); ``'off'``
+        #: for a layer with a low-rank or Kronecker-vector side (spec §11).
+        self.correction: EigenCorrection = (
+            correction
+            if side_method == "eigen"
+            and all(spec.kind in CORRECTED_KINDS for spec in specs.values())
+            else "off"
+        )
         self.correction_decay = correction_decay
         self.eigen_outer_product = (
             eigen_outer_product and self.exact and method == "eigen" and self.correction == "off"
@@ -387,6 +398,21 @@ class KroneckerBlock:
 
     def precondition(self, grad: torch.Tensor, damping: float) -> torch.Tensor:
         """The preconditioned gradient ``P`` for a ``(g_size, a_size)`` gradient."""
+        if self.eigen_scales is not None:
+            # Solved in at least float32 whatever inv_dtype (spec §4): work_state().
+            qa, qg = (
+                side.work_state()[0] if isinstance(side, ExactSide) else None
+                for side in (self.sides["a"], self.sides["g"])
+            )
+            return self.eigen_scales.solve(
+                grad,
+                qa,
+                qg,
+                damping,
+                self.correction_decay,
+                correction_power(self.correction),
+                relative=self.damping_mode == "relative",
+            ).contiguous()
         if not self.exact:
             a, g = self.sides["a"], self.sides["g"]
             scales = a.scaled_mean_eigenvalue(), g.scaled_mean_eigenvalue()
@@ -397,16 +423,6 @@ class KroneckerBlock:
         # Solved in at least float32 whatever inv_dtype (spec §4): work_state().
         if self.method == "eigen":
             qa, qg = a.work_state()[0], g.work_state()[0]
-            if self.eigen_scales is not None:
-                return self.eigen_scales.solve(
-                    grad,
-                    qa,
-                    qg,
-                    damping,
-                    self.correction_decay,
-                    correction_power(self.correction),
-                    relative=self.damping_mode == "relative",
-                )
             if self.outer_inverse is not None:
                 return precondition_eigen(grad, qa, qg, outer_inverse=self.outer_inverse)
             dg, da = self._eigenvalues()
@@ -755,11 +771,11 @@ def check_block_state(
             )
     scales: tuple[torch.Tensor, int] | None = None
     if "eigen_scales" in state or "eigen_scale_updates" in state:
-        if not (layout.correction and layout.exact and layout.method == "eigen"):
+        if not layout.correction:
             raise ValueError(
                 f"{where}: the state dict holds eigenvalue-corrected scales ('eigen_scales'), "
-                "which this layer does not use (eigenvalue_correction 'off', or a side that "
-                "is not exact)"
+                "which this layer does not use (eigenvalue_correction 'off', or a low-rank or "
+                "Kronecker-vector side)"
             )
         if not has_second:
             raise ValueError(f"{where}: the state dict holds 'eigen_scales' without 'second_order'")

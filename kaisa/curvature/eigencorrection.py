@@ -18,6 +18,12 @@ about ``1/B`` of the per-example one when noise dominates, and the steps come
 out far too large (measured on the equivalence tests' attention model: the
 weights moved by 20–40 in one step at lr 0.1 where the exact solve moves them
 by 0.004). ``s̄`` is ``mean(S)`` under relative damping and 1 under absolute.
+A side held diagonal (the budget's cheapest representation) has the identity
+as its eigenbasis: its rotation is skipped (``Q = None`` below), so a layer
+with one exact and one diagonal side is corrected in the exact side's basis
+only (a one-sided eigenbasis) and a layer with two diagonal sides gets
+per-coordinate second moments. Low-rank and Kronecker-vector sides have no
+explicit basis; a layer with one of them is not corrected.
 The bases come from the factors and are refreshed at the inverse interval;
 ``S`` follows the gradients at every step, which is what lets a stale basis
 keep its scale right. With ``S = λ_G λ_Aᵀ`` and ``p = 1``
@@ -36,7 +42,10 @@ import torch
 
 from kaisa.choices import EigenCorrection
 
-__all__ = ["EigenScales", "corrected_solve", "correction_power"]
+__all__ = ["Basis", "EigenScales", "corrected_solve", "correction_power", "rotate_in", "rotate_out"]
+
+#: A side's eigenbasis ``Q``, or ``None`` for the identity (a diagonal side).
+Basis = torch.Tensor | None
 
 
 def correction_power(correction: EigenCorrection) -> float:
@@ -46,10 +55,34 @@ def correction_power(correction: EigenCorrection) -> float:
     raise ValueError(f"no eigenvalue correction power for {correction!r}")
 
 
+def rotate_in(grad: torch.Tensor, qa: Basis, qg: Basis, dtype: torch.dtype) -> torch.Tensor:
+    """``V = Q_Gᵀ ∇ Q_A`` in ``dtype`` (a new tensor); a ``None`` basis is the identity."""
+    v = grad.to(dtype, copy=True)
+    if qg is not None:
+        v = qg.t() @ v
+    if qa is not None:
+        v = v @ qa
+    return v
+
+
+def rotate_out(v: torch.Tensor, qa: Basis, qg: Basis) -> torch.Tensor:
+    """``Q_G V Q_Aᵀ``; a ``None`` basis is the identity."""
+    if qg is not None:
+        v = qg @ v
+    if qa is not None:
+        v = v @ qa.t()
+    return v
+
+
+def _dtype(qa: Basis, qg: Basis, scales: torch.Tensor) -> torch.dtype:
+    basis = qa if qa is not None else qg
+    return basis.dtype if basis is not None else scales.dtype
+
+
 def corrected_solve(
     grad: torch.Tensor,
-    qa: torch.Tensor,
-    qg: torch.Tensor,
+    qa: Basis,
+    qg: Basis,
     scales: torch.Tensor,
     damping: float,
     power: float,
@@ -57,10 +90,12 @@ def corrected_solve(
 ) -> torch.Tensor:
     """``P = Q_G [(Q_Gᵀ ∇ Q_A) ⊘ (S + γ s̄)^p] Q_Aᵀ`` for a ``(g, a)`` gradient.
 
-    Computed in the bases' dtype, returned in ``grad``'s.
+    ``None`` for a basis: the identity (a diagonal side). Computed in the
+    bases' dtype (``S``'s when both are ``None``), returned in ``grad``'s.
     """
-    v = qg.t() @ grad.to(qa.dtype) @ qa
-    return (qg @ v.div_(_denominator(scales, damping, power, relative)) @ qa.t()).to(grad.dtype)
+    v = rotate_in(grad, qa, qg, _dtype(qa, qg, scales))
+    v.div_(_denominator(scales, damping, power, relative))
+    return rotate_out(v, qa, qg).to(grad.dtype)
 
 
 def _denominator(
@@ -93,15 +128,18 @@ class EigenScales:
     def solve(
         self,
         grad: torch.Tensor,
-        qa: torch.Tensor,
-        qg: torch.Tensor,
+        qa: Basis,
+        qg: Basis,
         damping: float,
         decay: float,
         power: float,
         relative: bool,
     ) -> torch.Tensor:
-        """Fold this step's rotated gradient into ``S``, then the corrected solve."""
-        v = qg.t() @ grad.to(qa.dtype) @ qa
+        """Fold this step's rotated gradient into ``S``, then the corrected solve.
+
+        ``None`` for a basis: the identity (a diagonal side).
+        """
+        v = rotate_in(grad, qa, qg, _dtype(qa, qg, self.scales))
         k = self.updates
         xi = min(decay, k / (k + 1))
         folded = (self.scales * xi).addcmul_(v, v, value=1.0 - xi)
@@ -110,7 +148,7 @@ class EigenScales:
         self.scales.copy_(torch.where(torch.isfinite(folded).all(), folded, self.scales))
         self.updates += 1
         v.div_(_denominator(self.scales, damping, power, relative))
-        return (qg @ v @ qa.t()).to(grad.dtype)
+        return rotate_out(v, qa, qg).to(grad.dtype)
 
     def nbytes(self) -> int:
         return self.scales.numel() * self.scales.element_size()

@@ -14,7 +14,7 @@ D = torch.float64
 
 def _orthogonal(n: int, gen: torch.Generator) -> torch.Tensor:
     q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=D))
-    return q
+    return q.contiguous()  # (torch.kron of QR's column-major Q with an identity fails)
 
 
 def _dense_solve(
@@ -38,6 +38,34 @@ def test_the_corrected_solve_is_the_dense_kronecker_system(power: float, relativ
     expected = _dense_solve(grad, qa, qg, (scales + shift) ** power)
     got = corrected_solve(grad, qa, qg, scales, damping, power, relative)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("identity", ["a", "g", "both"])
+def test_a_diagonal_sides_basis_is_the_identity(identity: str) -> None:
+    """``None`` for a basis (a diagonal side): the dense system with ``Q = I`` there."""
+    gen = torch.Generator().manual_seed(3)
+    g, a = 5, 4
+    qa, qg = _orthogonal(a, gen), _orthogonal(g, gen)
+    if identity in ("a", "both"):
+        qa_used, qa = None, torch.eye(a, dtype=D)
+    else:
+        qa_used = qa
+    if identity in ("g", "both"):
+        qg_used, qg = None, torch.eye(g, dtype=D)
+    else:
+        qg_used = qg
+    scales = torch.rand(g, a, generator=gen, dtype=D) + 0.1
+    grad = torch.randn(g, a, generator=gen, dtype=D)
+    expected = _dense_solve(grad, qa, qg, (scales + 0.03 * scales.mean()).sqrt())
+    got = corrected_solve(grad, qa_used, qg_used, scales, 0.03, 0.5, relative=True)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    running = EigenScales(torch.zeros(g, a, dtype=D))
+    before = grad.clone()
+    first = running.solve(grad, qa_used, qg_used, 0.03, 0.95, 0.5, relative=True)
+    torch.testing.assert_close(grad, before, rtol=0, atol=0)  # the gradient is not overwritten
+    v = qg.t() @ grad @ qa
+    torch.testing.assert_close(running.scales, v * v, rtol=1e-12, atol=1e-12)
+    assert first.dtype == grad.dtype
 
 
 def test_with_the_eigenvalue_products_it_is_the_exact_eigen_solve() -> None:

@@ -357,6 +357,9 @@ def configs(world_size: int) -> list[Config]:
                 accumulation_steps=2,
             ),
             Config(f, "inverse", curvature="mix_exact_layer", bucket_cap_mb=SMALL_BUCKET_MB),
+            # The correction of an (exact, diagonal) layer, fc2 (its diagonal side's
+            # basis is the identity); the other layers have no explicit basis.
+            Config(f, "eigen", curvature="mix_b", correction="adam", relative=True, ddp=i % 2 == 1),
         ]
     return grid + extra + mixed
 

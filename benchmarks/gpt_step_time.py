@@ -1,0 +1,160 @@
+"""Milliseconds per training step of the language-model workload's arms, side by side.
+
+``benchmarks/steps_probe.py`` counts the steps an arm (or a kaisa configuration)
+needs to reach the ``gpt`` workload's target; steps do not depend on the
+machine. This measures the other half of time to target: the wall time of one
+training step (forward, backward, ``step()`` of kaisa where there is one, the
+optimizer's step) of each arm on the workload's model (``kaisa.models.GPT`` as
+the suite builds it) and batch (16 × 64 bytes; random bytes: the step's cost
+does not depend on the text). Arms are the suite's (``--arms``, with the
+suite's optimizers and learning rates from ``make_arm``) and named kaisa
+configurations in front of AdamW (``--kaisa NAME=JSON``, repeatable; the JSON
+is passed to ``KFACPreconditioner``).
+
+Every arm trains ``--warmup`` steps first (the automatic choice, the first
+decompositions), then, for ``--rounds`` rounds, ``--steps`` steps each in
+turn, the order rotated every round, so the load falls on all arms alike; a
+round's steps cover whole factor and inverse intervals for intervals that
+divide ``--steps``. Reported per arm: the median over rounds of its mean ms per
+step, its ratio to AdamW's in the same round (median), and the load average
+before and after. Nothing is asserted. ::
+
+    python benchmarks/gpt_step_time.py --threads 2 --rounds 3 --steps 80 \\
+        --kaisa 'exact-corr-80={"curvature":"exact","factor_update_steps":80,\\
+"inv_update_steps":80,"eigenvalue_correction":"adam"}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+from common import LoadRecord, format_table, machine_info, set_threads, write_json
+
+import kaisa
+from kaisa.demo.config import WORKLOAD_FALLBACK_LRS, WORKLOADS, make_arm
+from kaisa.demo.optimizers import build_optimizer
+from kaisa.demo.text import VOCAB_SIZE
+from kaisa.demo.train import build_demo_model
+
+
+class Arm:
+    """One arm: its model (same initial weights as every other), optimizer and kaisa."""
+
+    def __init__(self, name: str, base: str, kfac: dict[str, Any] | None, context: int) -> None:
+        torch.manual_seed(0)
+        self.name = name
+        self.model = build_demo_model("gpt", context=context)
+        workload = WORKLOADS["gpt"]
+        arm = make_arm(
+            base,
+            WORKLOAD_FALLBACK_LRS["gpt"][base],
+            adamw_lr_ratio=workload.muon_adamw_lr_ratio or 0.1,
+        )
+        self.optimizer, _ = build_optimizer(self.model, arm)
+        self.pre = (
+            kaisa.KFACPreconditioner(self.model, optimizer=self.optimizer, **kfac)
+            if kfac is not None
+            else None
+        )
+        self.ms: list[float] = []
+
+    def steps(self, batches: list[torch.Tensor]) -> float:
+        """Train on ``batches``; the mean wall milliseconds per step."""
+        start = time.perf_counter()
+        for batch in batches:
+            logits = self.model(batch[:, :-1])
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)
+            )
+            loss.backward()
+            if self.pre is not None:
+                self.pre.step()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return 1000.0 * (time.perf_counter() - start) / len(batches)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arms", default="adamw,muon,soap,kaisa-adamw")
+    parser.add_argument("--kaisa", action="append", default=[], metavar="NAME=JSON")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    set_threads(args.threads)
+    workload = WORKLOADS["gpt"]
+    context = workload.context or 64
+    batch_size = workload.batch_size or 16
+    specs: list[tuple[str, str, dict[str, Any] | None]] = []
+    for name in filter(None, args.arms.split(",")):
+        specs.append(
+            (name, "adamw" if name == "kaisa-adamw" else name, {} if "kaisa" in name else None)
+        )
+    for entry in args.kaisa:
+        name, _, text = entry.partition("=")
+        specs.append((name, "adamw", json.loads(text)))
+    arms = [Arm(name, base, kfac, context) for name, base, kfac in specs]
+    generator = torch.Generator().manual_seed(0)
+
+    def batches(n: int) -> list[torch.Tensor]:
+        return [
+            torch.randint(0, VOCAB_SIZE, (batch_size, context + 1), generator=generator)
+            for _ in range(n)
+        ]
+
+    warm = batches(args.warmup)
+    for arm in arms:
+        arm.steps(warm)
+    ratios: dict[str, list[float]] = {arm.name: [] for arm in arms}
+    with LoadRecord() as load:
+        for r in range(args.rounds):
+            data = batches(args.steps)
+            order = arms[r % len(arms) :] + arms[: r % len(arms)]
+            this_round = {arm.name: arm.steps(data) for arm in order}
+            for arm in arms:
+                arm.ms.append(this_round[arm.name])
+                if "adamw" in this_round:
+                    ratios[arm.name].append(this_round[arm.name] / this_round["adamw"])
+    rows = []
+    for arm in arms:
+        rows.append(
+            {
+                "arm": arm.name,
+                "ms_per_step": round(statistics.median(arm.ms), 1),
+                "vs_adamw": round(statistics.median(ratios[arm.name]), 3)
+                if ratios[arm.name]
+                else None,
+                "kfac": specs[arms.index(arm)][2],
+                "intervals": None
+                if arm.pre is None
+                else [
+                    arm.pre.hyperparameters().factor_update_steps,
+                    arm.pre.hyperparameters().inv_update_steps,
+                ],
+            }
+        )
+    columns = ["arm", "ms_per_step", "vs_adamw", "intervals"]
+    print(format_table(columns, [[row[c] for c in columns] for row in rows]))
+    print("load:", load.as_dict())
+    if args.json:
+        write_json(
+            args.json,
+            {
+                "settings": vars(args),
+                "machine": machine_info(),
+                "load": load.as_dict(),
+                "rows": rows,
+            },
+        )
+
+
+if __name__ == "__main__":
+    main()
