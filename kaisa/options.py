@@ -178,7 +178,9 @@ class KFACOptions:
             solve is regularised; a singular factor would give inf or NaN).
         factor_decay: running-average decay ``ξ`` in ``[0, 1)``.
         kl_clip: KL-clipping bound ``κ`` (> 0), or ``None`` to turn clipping off.
-        lr: learning rate used by KL clipping (should follow the optimizer's).
+        lr: learning rate used by KL clipping (should follow the optimizer's):
+            a number, a callable, or a 0-d real tensor (the optimizer's own
+            ``lr`` tensor, as compiled optimizers take it), read at every step.
         accumulation_steps: forward/backward passes per ``step()`` (default 1;
             with a DeepSpeed engine, its ``gradient_accumulation_steps``).
         allreduce_bucket_cap_mb: size bound of one factor all-reduce bucket.

@@ -25,7 +25,7 @@ from torch import nn
 from kaisa.attachment import attach, claim, holders, release, replaced, taken_over
 from kaisa.autochoice import AutoChoice
 from kaisa.capture import Capturer
-from kaisa.checkpoint import CheckpointTarget, read_state, write_state
+from kaisa.checkpoint import CheckpointTarget, StateDictOnly, read_state, write_state
 from kaisa.curvature.block import (
     Factor,
 )
@@ -72,7 +72,7 @@ _NO_GRADIENT_CAUSES = (
 )
 
 
-class KFACPreconditioner:
+class KFACPreconditioner(StateDictOnly):
     r"""K-FAC gradient preconditioning with KAISA's adaptable placement of work.
 
     For every registered layer with gradient :math:`\nabla` (``(out, in[+1])``)
@@ -127,7 +127,7 @@ class KFACPreconditioner:
         damping: float | Callable[[int], float] = 0.03,
         factor_decay: float | Callable[[int], float] | None = None,
         kl_clip: float | Callable[[int], float] | None = 0.003,
-        lr: float | Callable[[int], float] = 0.1,
+        lr: float | torch.Tensor | Callable[[int], float] = 0.1,
         accumulation_steps: int | None = None,
         allreduce_bucket_cap_mb: float = 25.0,
         assignment_strategy: str = "compute",

@@ -51,6 +51,8 @@ from kaisa.distributed.plan import WorkPlan
 TIMEOUT_ENV = "KAISA_AGREEMENT_TIMEOUT_S"
 #: The arrival timeout when :data:`TIMEOUT_ENV` is not set, in seconds.
 DEFAULT_TIMEOUT_S = 300.0
+#: The largest timeout an environment variable may set, in seconds (a week).
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 #: At most this many differences are listed in the error.
 MAX_LISTED = 10
 #: The format of the exchanged header (bumped if the digest changes meaning).
@@ -88,12 +90,15 @@ class RankDisagreementError(RuntimeError):
 
 
 def _hyper(options: Any, name: str) -> object:
-    """A constant as a float, ``'schedule'`` for a callable, ``'auto'`` if left to kaisa."""
+    """A constant as a float, ``'schedule'`` for a callable, ``'tensor'`` for a 0-d tensor
+    (read at every step), ``'auto'`` if left to kaisa."""
     if name in options.auto:
         return "auto"
     hyper = options.hyper.get(name)
     if hyper is None:  # kl_clip=None: no clipping
         return None
+    if hyper.live:
+        return "tensor"
     if hyper.is_schedule:
         return "schedule"
     return float(hyper.constant)
@@ -215,7 +220,7 @@ def describe(digests: Sequence[dict[str, object]]) -> str | None:
 
 def _show(value: object) -> str:
     if isinstance(value, str):
-        return value if value in (_ABSENT, "auto", "schedule") else repr(value)
+        return value if value in (_ABSENT, "auto", "schedule", "tensor") else repr(value)
     if isinstance(value, float):
         return f"{value:g}" if float(f"{value:g}") == value else repr(value)
     return json.dumps(value) if isinstance(value, list) else repr(value)
@@ -224,7 +229,10 @@ def _show(value: object) -> str:
 def seconds_from_env(name: str, default: float) -> float:
     """A timeout in seconds from the environment variable ``name`` (``default`` if unset).
 
-    Raises ``ValueError`` naming the variable unless it is a finite number > 0.
+    Raises ``ValueError`` naming the variable unless it is a finite number
+    > 0 and at most :data:`MAX_TIMEOUT_S` (a week: beyond it a timeout is no
+    timeout, and ``1e300`` overflows ``datetime.timedelta`` and the
+    backends' millisecond counters).
     """
     text = os.environ.get(name, "").strip()
     if not text:
@@ -233,8 +241,11 @@ def seconds_from_env(name: str, default: float) -> float:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{name} must be a number of seconds > 0; got {text!r}")
+    if not 0 < value <= MAX_TIMEOUT_S:  # (NaN and the infinities fail too)
+        raise ValueError(
+            f"{name} must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:g} "
+            f"(a week); got {text!r}"
+        )
     return value
 
 
