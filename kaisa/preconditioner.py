@@ -34,7 +34,7 @@ from kaisa.curvature.costs import DEFAULT_COST_MODEL, CostModel
 from kaisa.curvature.fold import fold_batch
 from kaisa.curvature.grafting import graft
 from kaisa.curvature.linalg import kl_clip_scale
-from kaisa.distributed.agreement import agreement_digest, check_agreement
+from kaisa.distributed.agreement import ScheduleCheck, agreement_digest, check_agreement
 from kaisa.distributed.comm import (
     Communicator,
     PayloadKey,
@@ -228,6 +228,7 @@ class KFACPreconditioner(StateDictOnly):
             layout=self._layout(),
             group=self.process_group,
         )
+        self._schedules = ScheduleCheck(options, self.comm)  # the ranks' schedules, each step
         #: The loss scale the captures and gradients carry (AMP, a DeepSpeed engine's).
         self.loss_scale = LossScale(options.grad_scaler)
         self._capturer = Capturer(
@@ -405,8 +406,7 @@ class KFACPreconditioner(StateDictOnly):
         # they were.
         hyper = self.hyperparameters()
         self._watch.before_step(self.loss_scale, thorough=self._capturer.enabled)
-        captures = self._roster.captures
-        held = sum(c.capture_bytes() for c in captures)
+        held = sum(c.capture_bytes() for c in self._roster.captures)
         self._peak_capture_bytes = max(self._peak_capture_bytes, held)
         self._auto.pass_ended()
         self._watch.evaluation_mode(self._roster, began=self._capturer.began)
@@ -433,6 +433,7 @@ class KFACPreconditioner(StateDictOnly):
             if self._auto.reopen_due(self._steps):
                 self._reopen_choice()
             self.telemetry.end_step()
+        self._schedules.check(self._steps)  # before the next iteration's hooks (all ranks)
 
     def _update_factors(
         self, hyper: StepHyper, payloads: Mapping[str, Mapping[PayloadKey, tuple[Any, float]]]
@@ -441,7 +442,6 @@ class KFACPreconditioner(StateDictOnly):
 
         Returns the hyperparameters in force after it (a choice sets intervals).
         """
-        captures = self._roster.captures
         self._force_inverse_update |= self._roster.check_idle(
             payloads,
             began=self._capturer.began,
@@ -458,7 +458,7 @@ class KFACPreconditioner(StateDictOnly):
             calibrating = self._auto.calibrating
             choice = self._auto.choose(
                 [(layer.name, layer.handler) for layer in self._roster],
-                {c.name: c.keys for c in captures},
+                {c.name: c.keys for c in self._roster.captures},
                 payloads,
                 self._steps,
                 hyper,

@@ -20,6 +20,20 @@ group unless ``process_group=`` was given); with NCCL the tensor lives on the cu
 CUDA device (``torch.cuda.set_device`` must have been called, as for any NCCL
 ``all_gather_object``).
 
+Schedules (callables) and 0-d tensors cannot be compared as given: the
+digest holds their values at step 0 (``lr (at step 0)``), and
+:class:`ScheduleCheck` compares their values at every later step, at the end
+of each ``step()`` for the next one (before the next iteration's hooks may
+launch a factor all-reduce that a rank on another factor interval would not
+match): one all-gather of a few float64 per step, only when some
+hyperparameter is a schedule or a tensor (a tensor changed in place between
+steps is read at the end of the step that used it: one step late). A
+difference raises
+:class:`RankDisagreementError` on every rank, naming the hyperparameter, the
+step and every rank's value, instead of ranks diverging silently or a
+collective mismatch (with different factor intervals, gloo aborts the
+process).
+
 A rank that never reaches the check cannot be told from a slow one without a
 timeout. With gloo the check therefore starts with
 ``torch.distributed.monitored_barrier``: a peer that does not arrive within
@@ -104,6 +118,67 @@ def _hyper(options: Any, name: str) -> object:
     return float(hyper.constant)
 
 
+#: What a schedule's value is recorded as when it raises (the step reports it).
+_RAISES = float("inf")
+
+
+def _value_at(options: Any, name: str, step: int) -> float:
+    """A schedule's or tensor's value at ``step``; ``inf`` if it raises (the step says why)."""
+    try:
+        return float(options.hyper[name].at(step))
+    except (TypeError, ValueError, ArithmeticError):
+        return _RAISES
+
+
+class ScheduleCheck:
+    """The ranks' schedules and tensor hyperparameters agree at every step (module docstring).
+
+    Args:
+        options: the :class:`~kaisa.options.KFACOptions` (which
+            hyperparameters are schedules or tensors).
+        comm: the :class:`~kaisa.distributed.Communicator` (its
+            ``gather_values`` and ``distributed``).
+    """
+
+    def __init__(self, options: Any, comm: Any) -> None:
+        self.options = options
+        self.comm = comm
+        #: The hyperparameters compared: schedules and tensors, not left to kaisa.
+        self.names = [
+            name
+            for name in _HYPER
+            if name in options.hyper
+            and name not in options.auto
+            and options.hyper[name].is_schedule
+        ]
+
+    def check(self, step: int) -> None:
+        """Raise :class:`RankDisagreementError` on every rank unless all values at ``step`` match.
+
+        Collective (every rank calls it at the end of every ``step()``); a
+        no-op with one rank or without schedules.
+        """
+        if not self.names or not self.comm.distributed:
+            return
+        rows = self.comm.gather_values([_value_at(self.options, n, step) for n in self.names])
+        parts = []
+        for i, name in enumerate(self.names):
+            values = [row[i] for row in rows]
+            if any(v != values[0] for v in values[1:]):
+                ranks = ", ".join(
+                    f"rank {r} has {'a raising schedule' if v == _RAISES else _show(v)}"
+                    for r, v in enumerate(values)
+                )
+                parts.append(f"{name} at step {step}: {ranks}")
+        if parts:
+            raise RankDisagreementError(
+                "kaisa: ranks disagree on "
+                + "; ".join(parts)
+                + " (every rank must pass the same schedules: the ranks would precondition "
+                "differently, or mismatch their collectives)"
+            )
+
+
 def _dtype(dtype: torch.dtype | None) -> str | None:
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
@@ -141,6 +216,9 @@ def agreement_digest(
     for name in _PLAIN:
         value = getattr(options, name)
         digest[name] = float(value) if name in ("allreduce_bucket_cap_mb", "time_budget") else value
+    for name in _HYPER:
+        if digest[name] in ("schedule", "tensor"):
+            digest[f"{name} (at step 0)"] = _value_at(options, name, 0)
     digest["curvature"] = [[pattern, [a, g]] for pattern, (a, g) in options.curvature_rules]
     for field, weight in dataclasses.asdict(options.cost_model).items():
         digest[f"cost_model.{field}"] = float(weight)
