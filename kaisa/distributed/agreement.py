@@ -123,10 +123,11 @@ _RAISES = float("inf")
 
 
 def _value_at(options: Any, name: str, step: int) -> float:
-    """A schedule's or tensor's value at ``step``; ``inf`` if it raises (the step says why)."""
+    """A schedule's or tensor's value at ``step``; ``inf`` if it raises (the step says why:
+    read ahead of its step, a schedule's exception is the step's to report)."""
     try:
         return float(options.hyper[name].at(step))
-    except (TypeError, ValueError, ArithmeticError):
+    except Exception:
         return _RAISES
 
 
@@ -369,4 +370,10 @@ def check_agreement(digest: dict[str, object], group: dist.ProcessGroup | None =
     message = describe(digests)
     if message is None:  # equal digests, different encodings: cannot happen
         message = "kaisa: ranks disagree on the agreement digest's encoding (mixed versions?)"
+    # Every rank raises, and most jobs then end. A rank that leaves while a peer
+    # is still reading its part of the gather above closes the connection under
+    # it; past this barrier every rank has all it needs, so each can exit with
+    # the error (and a launcher that stops the others at the first exit finds
+    # them raising too).
+    dist.barrier(group=group)
     raise RankDisagreementError(message)
