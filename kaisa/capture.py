@@ -60,6 +60,16 @@ holds the loss's ``δ``, as without the extra pass. A call that only a later
 pass reaches (``autograd.grad`` of some parameters first) takes its first
 gradient from that pass.
 
+**Gradient checkpointing.** A forward call made while a backward pass runs
+is a *recomputation* (``torch.utils.checkpoint``). It is captured, but it is
+not a pass of its own and is never waited for: with
+``use_reentrant=False`` the original forward's calls are captured and their
+gradients flow through the original graph, so the recomputed calls never
+receive one (the factors are those of the model without checkpointing, and
+no "forward without a backward" is reported); with ``use_reentrant=True``
+the original forward ran without autograd (nothing captured there) and the
+recomputed calls receive the gradients, which enter the factors once.
+
 :class:`LayerCaptures` is one layer's bookkeeping for the current iteration;
 :class:`Capturer` is what the hooks call. Neither knows the maths of a factor
 (the layer handler turns rows into sums) nor where the sums go after the
@@ -93,6 +103,11 @@ ALL_KEYS: tuple[PayloadKey, ...] = (
     ("g", "gram"),
     ("g", "moments"),
 )
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (a recomputation)."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 @dataclass
@@ -173,7 +188,8 @@ class _Call:
     """One captured call of a layer, until its first output gradient arrives.
 
     ``x`` is the call's input (``None`` once its first gradient has been
-    taken); ``iteration`` the serial of the iteration it belongs to.
+    taken); ``iteration`` the serial of the iteration it belongs to;
+    ``recomputed``: the call was made while a backward pass ran.
     """
 
     layer: LayerCaptures
@@ -181,6 +197,7 @@ class _Call:
     x: torch.Tensor | None
     pass_id: int
     iteration: int
+    recomputed: bool = False  # made during a backward pass (gradient checkpointing)
 
 
 class Capturer:
@@ -261,6 +278,12 @@ class Capturer:
         self.began = True
         if not self.enabled:
             return
+        if _in_backward():
+            # A recomputation (gradient checkpointing): captured if its gradient
+            # comes (reentrant), never waited for (module docstring).
+            call = _Call(layer, select, x.detach(), self.root_passes, self.iteration, True)
+            output.register_hook(functools.partial(self._grad_output, call))  # type: ignore[no-untyped-call]
+            return
         pass_id = self.pass_of(layer)
         if pass_id in self.ignored_passes:
             return
@@ -333,6 +356,8 @@ class Capturer:
                 layer.inputs.append(x)
                 layer.grad_outputs.append(delta)
             self.backward_passes.add(pass_id)
+            if call.recomputed:
+                return  # not a pass of its own
             left = layer.open_passes[pass_id] - 1
             if left:
                 layer.open_passes[pass_id] = left

@@ -41,6 +41,11 @@ What a load does with what it finds:
   when the checkpoint does not have it, and ignores state for layers it
   does not work on. Restoring each rank's own checkpoint continues
   bit-identically.
+
+The preconditioner itself is not pickled (:class:`StateDictOnly`): it holds
+hooks on the model's modules and a process group, none of which a pickle
+could restore; ``pickle.dumps``, ``torch.save`` and ``copy.deepcopy`` of it
+raise a ``TypeError`` that points at ``state_dict()``.
 """
 
 from __future__ import annotations
@@ -62,7 +67,14 @@ from kaisa.options import KFACOptions
 from kaisa.validation import check_count, key_differences
 from kaisa.warn import warn
 
-__all__ = ["STATE_FORMAT", "STATE_OPTIONS", "CheckpointTarget", "LayerSlot", "Restore"]
+__all__ = [
+    "STATE_FORMAT",
+    "STATE_OPTIONS",
+    "CheckpointTarget",
+    "LayerSlot",
+    "Restore",
+    "StateDictOnly",
+]
 
 #: The checkpoint format :func:`write_state` writes. A state dict without a
 #: ``"format"`` key is format 1, from before curvature representations (exact
@@ -94,6 +106,23 @@ _CONVERTIBLE = (
 SharedCheck = Callable[
     [object, str, Mapping[str, tuple[str, str]]], dict[Factor, list[torch.Tensor]]
 ]
+
+
+class StateDictOnly:
+    """A mixin: pickling or copying the object raises a ``TypeError`` naming ``state_dict()``.
+
+    (Instead of the error about a local hook function that pickle would
+    give, or a deep copy whose hooks still feed the original.)
+    """
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        name = type(self).__name__
+        raise TypeError(
+            f"kaisa: a {name} cannot be pickled or copied (pickle, torch.save, copy.deepcopy): "
+            "it holds hooks on the model's modules and its process group. Save "
+            f"{name}.state_dict() (with the model's and the optimizer's) and, to resume, "
+            f"build a new {name} on the model and call load_state_dict() with it"
+        )
 
 
 @dataclass(frozen=True)

@@ -218,7 +218,8 @@ class KFACOptions:
             solve is regularised; a singular factor would give inf or NaN).
         factor_decay: running-average decay ``ξ`` in ``[0, 1)``.
         kl_clip: KL-clipping bound ``κ`` (> 0), or ``None`` to turn clipping off.
-        lr: the learning rate KL clipping assumes (a number or a schedule;
+        lr: the learning rate KL clipping assumes (a number, a schedule, or a 0-d real
+            tensor such as a compiled optimizer's own ``lr``, read at every step;
             ``None``: not given). Required while ``kl_clip`` is on, unless
             ``optimizer`` is given; unused (and optional) with ``kl_clip=None``.
         optimizer: the optimizer that steps after the preconditioner; KL

@@ -25,7 +25,7 @@ from torch import nn
 from kaisa.attachment import attach, claim, holders, release, replaced, taken_over
 from kaisa.autochoice import AutoChoice
 from kaisa.capture import Capturer
-from kaisa.checkpoint import CheckpointTarget, read_state, write_state
+from kaisa.checkpoint import CheckpointTarget, StateDictOnly, read_state, write_state
 from kaisa.curvature.block import (
     Factor,
 )
@@ -34,6 +34,7 @@ from kaisa.curvature.costs import DEFAULT_COST_MODEL, CostModel
 from kaisa.curvature.fold import fold_batch
 from kaisa.curvature.grafting import graft
 from kaisa.curvature.linalg import kl_clip_scale
+from kaisa.distributed.agreement import ScheduleCheck
 from kaisa.distributed.comm import (
     Communicator,
     PayloadKey,
@@ -72,7 +73,7 @@ _NO_GRADIENT_CAUSES = (
 )
 
 
-class KFACPreconditioner:
+class KFACPreconditioner(StateDictOnly):
     r"""K-FAC gradient preconditioning with KAISA's adaptable placement of work.
 
     For every registered layer with gradient :math:`\nabla` (``(out, in[+1])``)
@@ -129,7 +130,7 @@ class KFACPreconditioner:
         damping: float | Callable[[int], float] = 0.03,
         factor_decay: float | Callable[[int], float] | None = None,
         kl_clip: float | Callable[[int], float] | None = 0.003,
-        lr: float | Callable[[int], float] | None = None,
+        lr: float | torch.Tensor | Callable[[int], float] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         accumulation_steps: int | None = None,
         allreduce_bucket_cap_mb: float = 25.0,
@@ -228,6 +229,7 @@ class KFACPreconditioner:
             layout=self._layout(),
             group=self.process_group,
         )
+        self._schedules = ScheduleCheck(options, self.comm)  # the ranks' schedules, each step
         #: The loss scale the captures and gradients carry (AMP, a DeepSpeed engine's).
         self.loss_scale = LossScale(options.grad_scaler)
         self._capturer = Capturer(
@@ -404,8 +406,7 @@ class KFACPreconditioner:
         # they were.
         hyper = self.hyperparameters()
         self._watch.before_step(self.loss_scale, thorough=self._capturer.enabled)
-        captures = self._roster.captures
-        held = sum(c.capture_bytes() for c in captures)
+        held = sum(c.capture_bytes() for c in self._roster.captures)
         self._peak_capture_bytes = max(self._peak_capture_bytes, held)
         self._auto.pass_ended()
         self._watch.evaluation_mode(self._roster, began=self._capturer.began)
@@ -432,6 +433,7 @@ class KFACPreconditioner:
             if self._auto.reopen_due(self._steps):
                 self._reopen_choice()
             self.telemetry.end_step()
+        self._schedules.check(self._steps)  # before the next iteration's hooks (all ranks)
 
     def _update_factors(
         self, hyper: StepHyper, payloads: Mapping[str, Mapping[PayloadKey, tuple[Any, float]]]
@@ -440,7 +442,6 @@ class KFACPreconditioner:
 
         Returns the hyperparameters in force after it (a choice sets intervals).
         """
-        captures = self._roster.captures
         self._force_inverse_update |= self._roster.check_idle(
             payloads,
             began=self._capturer.began,
@@ -457,7 +458,7 @@ class KFACPreconditioner:
             calibrating = self._auto.calibrating
             choice = self._auto.choose(
                 [(layer.name, layer.handler) for layer in self._roster],
-                {c.name: c.keys for c in captures},
+                {c.name: c.keys for c in self._roster.captures},
                 payloads,
                 self._steps,
                 hyper,

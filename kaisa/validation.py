@@ -12,6 +12,7 @@ without torch): the checks of tensors and dtypes import torch when called.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypeVar, cast, overload
@@ -62,9 +63,13 @@ class Rule:
     def number(self, value: object, where: str = "", *, schedule: bool = False) -> float:
         """Return ``value`` as a float, or raise ``TypeError``/``ValueError`` naming it.
 
-        ``schedule``: the ``TypeError`` for a value that is no number says
-        that a callable ``step -> value`` is allowed too.
+        ``schedule``: a hyperparameter's value, which may also be a 0-d real
+        tensor (``lr=torch.tensor(0.01)``, as compiled optimizers take it);
+        the ``TypeError`` for a value that is no number says that a callable
+        ``step -> value`` is allowed too.
         """
+        if schedule and is_tensor(value):
+            value = scalar_of_tensor(value, self.name, self.describe(), where)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             also = " or a callable step -> value" if schedule else ""
             raise TypeError(f"{self.name} must be {self.describe()}{also}{where}; got {value!r}")
@@ -79,6 +84,34 @@ class Rule:
         if bad:
             raise ValueError(f"{self.name} must be {self.describe()}{where}; got {value!r}")
         return number
+
+
+def is_tensor(value: object) -> bool:
+    """Whether ``value`` is a ``torch.Tensor`` (without importing torch when it is not loaded)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def scalar_of_tensor(value: object, name: str, allowed: str, where: str = "") -> float:
+    """A 0-d real tensor's value as a float; else a ``TypeError``/``ValueError`` naming ``name``.
+
+    ``allowed`` describes the number expected (e.g. ``'a number >= 0'``).
+    The value's bounds are the caller's to check.
+    """
+    import torch
+
+    assert isinstance(value, torch.Tensor)
+    if value.dtype == torch.bool or value.is_complex():
+        raise TypeError(
+            f"{name} must be {allowed}, or a 0-d real tensor{where}; got a tensor of dtype "
+            f"{str(value.dtype).removeprefix('torch.')}"
+        )
+    if value.dim() != 0:
+        raise ValueError(
+            f"{name} must be {allowed}, or a 0-d real tensor{where}; got a tensor of shape "
+            f"{tuple(value.shape)}"
+        )
+    return float(value.detach().item())
 
 
 def check_number(

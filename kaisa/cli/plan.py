@@ -55,6 +55,10 @@ __all__ = ["default_grad_workers", "main", "model_shapes", "parse_fraction"]
 _PROG = "kaisa plan"
 _BYTES_PER_ELEMENT = 4  # float32
 _MAX_DEFAULT_ROWS = 12
+#: The largest ``--world-size``: the plan places every layer on a rank and the
+#: cost model sums each rank's share, so the work grows with the world size
+#: (2^16 ranks take about 15 s for ResNet-50; 10^9 would exhaust the memory).
+MAX_WORLD_SIZE = 65536
 
 
 class _UsageError(Exception):
@@ -101,6 +105,12 @@ def default_grad_workers(world_size: int) -> list[int]:
     return sorted(chosen)
 
 
+def _raised(error: BaseException) -> str:
+    """``'KeyError: 'x''`` for an exception (just its type when it has no message)."""
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 def _user_model(spec: str) -> list[LayerShape]:
     """Layer shapes of the model ``factory()`` returns, for ``--model package.module:factory``."""
     import importlib
@@ -112,22 +122,27 @@ def _user_model(spec: str) -> list[LayerShape]:
         raise _UsageError(f"argument --model: expected package.module:factory; got {spec!r}")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise _UsageError(f"argument --model: cannot import {module_name!r}: {error}") from None
+    except Exception as error:  # not found, or the module's own code failed at import
+        raise _UsageError(
+            f"argument --model: cannot import {module_name!r}: {_raised(error)}"
+        ) from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise _UsageError(f"argument --model: {module_name!r} has no callable {attr!r}")
     try:
         model = factory()
-    except Exception as error:  # the user's code: report it on one line
-        raise _UsageError(
-            f"argument --model: {spec}() raised {type(error).__name__}: {error}"
-        ) from None
+    except (Exception, SystemExit) as error:  # the user's code: report it on one line
+        raise _UsageError(f"argument --model: {spec}() raised {_raised(error)}") from None
     if not isinstance(model, nn.Module):
         raise _UsageError(
             f"argument --model: {spec}() returned {type(model).__name__}, not a torch.nn.Module"
         )
-    shapes = module_layer_shapes(model)
+    try:
+        shapes = module_layer_shapes(model)
+    except Exception as error:
+        raise _UsageError(
+            f"argument --model: reading the layers of {spec}()'s model raised {_raised(error)}"
+        ) from None
     if not shapes:
         raise _UsageError(f"argument --model: {spec}() has no layer kaisa can precondition")
     return shapes
@@ -443,6 +458,11 @@ def _budget_table(choice: FractionChoice, shown: Sequence[int]) -> str:
 def _run(argv: Sequence[str]) -> int:
     args = _parser().parse_args(list(argv))
     n = _at_least_one("--world-size", args.world_size)
+    if n > MAX_WORLD_SIZE:
+        raise _UsageError(
+            f"argument --world-size: at most {MAX_WORLD_SIZE} ranks (the plan places work on "
+            f"every rank, so its cost grows with the world size); got {n}"
+        )
     for opt in ("factor_update_steps", "inv_update_steps"):
         _at_least_one("--" + opt.replace("_", "-"), getattr(args, opt))
 

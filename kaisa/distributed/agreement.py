@@ -20,6 +20,20 @@ group unless ``process_group=`` was given); with NCCL the tensor lives on the cu
 CUDA device (``torch.cuda.set_device`` must have been called, as for any NCCL
 ``all_gather_object``).
 
+Schedules (callables) and 0-d tensors cannot be compared as given: the
+digest holds their values at step 0 (``lr (at step 0)``), and
+:class:`ScheduleCheck` compares their values at every later step, at the end
+of each ``step()`` for the next one (before the next iteration's hooks may
+launch a factor all-reduce that a rank on another factor interval would not
+match): one all-gather of a few float64 per step, only when some
+hyperparameter is a schedule or a tensor (a tensor changed in place between
+steps is read at the end of the step that used it: one step late). A
+difference raises
+:class:`RankDisagreementError` on every rank, naming the hyperparameter, the
+step and every rank's value, instead of ranks diverging silently or a
+collective mismatch (with different factor intervals, gloo aborts the
+process).
+
 A rank that never reaches the check cannot be told from a slow one without a
 timeout. With gloo the check therefore starts with
 ``torch.distributed.monitored_barrier``: a peer that does not arrive within
@@ -51,6 +65,8 @@ from kaisa.distributed.plan import WorkPlan
 TIMEOUT_ENV = "KAISA_AGREEMENT_TIMEOUT_S"
 #: The arrival timeout when :data:`TIMEOUT_ENV` is not set, in seconds.
 DEFAULT_TIMEOUT_S = 300.0
+#: The largest timeout an environment variable may set, in seconds (a week).
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 #: At most this many differences are listed in the error.
 MAX_LISTED = 10
 #: The format of the exchanged header (bumped if the digest changes meaning).
@@ -88,15 +104,80 @@ class RankDisagreementError(RuntimeError):
 
 
 def _hyper(options: Any, name: str) -> object:
-    """A constant as a float, ``'schedule'`` for a callable, ``'auto'`` if left to kaisa."""
+    """A constant as a float, ``'schedule'`` for a callable, ``'tensor'`` for a 0-d tensor
+    (read at every step), ``'auto'`` if left to kaisa."""
     if name in options.auto:
         return "auto"
     hyper = options.hyper.get(name)
     if hyper is None:  # kl_clip=None: no clipping
         return None
+    if hyper.live:
+        return "tensor"
     if hyper.is_schedule:
         return "schedule"
     return float(hyper.constant)
+
+
+#: What a schedule's value is recorded as when it raises (the step reports it).
+_RAISES = float("inf")
+
+
+def _value_at(options: Any, name: str, step: int) -> float:
+    """A schedule's or tensor's value at ``step``; ``inf`` if it raises (the step says why:
+    read ahead of its step, a schedule's exception is the step's to report)."""
+    try:
+        return float(options.hyper[name].at(step))
+    except Exception:
+        return _RAISES
+
+
+class ScheduleCheck:
+    """The ranks' schedules and tensor hyperparameters agree at every step (module docstring).
+
+    Args:
+        options: the :class:`~kaisa.options.KFACOptions` (which
+            hyperparameters are schedules or tensors).
+        comm: the :class:`~kaisa.distributed.Communicator` (its
+            ``gather_values`` and ``distributed``).
+    """
+
+    def __init__(self, options: Any, comm: Any) -> None:
+        self.options = options
+        self.comm = comm
+        #: The hyperparameters compared: schedules and tensors, not left to kaisa.
+        self.names = [
+            name
+            for name in _HYPER
+            if name in options.hyper
+            and name not in options.auto
+            and options.hyper[name].is_schedule
+        ]
+
+    def check(self, step: int) -> None:
+        """Raise :class:`RankDisagreementError` on every rank unless all values at ``step`` match.
+
+        Collective (every rank calls it at the end of every ``step()``); a
+        no-op with one rank or without schedules.
+        """
+        if not self.names or not self.comm.distributed:
+            return
+        rows = self.comm.gather_values([_value_at(self.options, n, step) for n in self.names])
+        parts = []
+        for i, name in enumerate(self.names):
+            values = [row[i] for row in rows]
+            if any(v != values[0] for v in values[1:]):
+                ranks = ", ".join(
+                    f"rank {r} has {'a raising schedule' if v == _RAISES else _show(v)}"
+                    for r, v in enumerate(values)
+                )
+                parts.append(f"{name} at step {step}: {ranks}")
+        if parts:
+            raise RankDisagreementError(
+                "kaisa: ranks disagree on "
+                + "; ".join(parts)
+                + " (every rank must pass the same schedules: the ranks would precondition "
+                "differently, or mismatch their collectives)"
+            )
 
 
 def _dtype(dtype: torch.dtype | None) -> str | None:
@@ -137,6 +218,9 @@ def agreement_digest(
     for name in _PLAIN:
         value = getattr(options, name)
         digest[name] = float(value) if name in ("allreduce_bucket_cap_mb", "time_budget") else value
+    for name in _HYPER:
+        if digest[name] in ("schedule", "tensor"):
+            digest[f"{name} (at step 0)"] = _value_at(options, name, 0)
     digest["curvature"] = [[pattern, [a, g]] for pattern, (a, g) in options.curvature_rules]
     for field, weight in dataclasses.asdict(options.cost_model).items():
         digest[f"cost_model.{field}"] = float(weight)
@@ -216,7 +300,11 @@ def describe(digests: Sequence[dict[str, object]]) -> str | None:
 
 def _show(value: object) -> str:
     if isinstance(value, str):
-        return value if value in (_ABSENT, "auto", "given", "probed", "schedule") else repr(value)
+        return (
+            value
+            if value in (_ABSENT, "auto", "given", "probed", "schedule", "tensor")
+            else repr(value)
+        )
     if isinstance(value, float):
         return f"{value:g}" if float(f"{value:g}") == value else repr(value)
     return json.dumps(value) if isinstance(value, list) else repr(value)
@@ -225,7 +313,10 @@ def _show(value: object) -> str:
 def seconds_from_env(name: str, default: float) -> float:
     """A timeout in seconds from the environment variable ``name`` (``default`` if unset).
 
-    Raises ``ValueError`` naming the variable unless it is a finite number > 0.
+    Raises ``ValueError`` naming the variable unless it is a finite number
+    > 0 and at most :data:`MAX_TIMEOUT_S` (a week: beyond it a timeout is no
+    timeout, and ``1e300`` overflows ``datetime.timedelta`` and the
+    backends' millisecond counters).
     """
     text = os.environ.get(name, "").strip()
     if not text:
@@ -234,8 +325,11 @@ def seconds_from_env(name: str, default: float) -> float:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{name} must be a number of seconds > 0; got {text!r}")
+    if not 0 < value <= MAX_TIMEOUT_S:  # (NaN and the infinities fail too)
+        raise ValueError(
+            f"{name} must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:g} "
+            f"(a week); got {text!r}"
+        )
     return value
 
 
@@ -281,4 +375,10 @@ def check_agreement(digest: dict[str, object], group: dist.ProcessGroup | None =
     message = describe(digests)
     if message is None:  # equal digests, different encodings: cannot happen
         message = "kaisa: ranks disagree on the agreement digest's encoding (mixed versions?)"
+    # Every rank raises, and most jobs then end. A rank that leaves while a peer
+    # is still reading its part of the gather above closes the connection under
+    # it; past this barrier every rank has all it needs, so each can exit with
+    # the error (and a launcher that stops the others at the first exit finds
+    # them raising too).
+    dist.barrier(group=group)
     raise RankDisagreementError(message)

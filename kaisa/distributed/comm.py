@@ -511,6 +511,24 @@ class Communicator:
         self.telemetry.count("layer_flags", tensor)
         return [float(v) for v in tensor.tolist()]
 
+    def gather_values(self, values: Sequence[float]) -> list[list[float]]:
+        """Every rank's ``values`` (the same count on each), in rank order (float64).
+
+        A tiny all-gather: the schedules' check (:class:`~kaisa.distributed.
+        agreement.ScheduleCheck`). Counted in telemetry as 'layer_flags',
+        outside spec §5's cost model.
+        """
+        mine = [float(v) for v in values]
+        if not self.distributed or not mine:
+            return [mine]
+        tensor = torch.tensor(mine, dtype=torch.float64, device=self.device)
+        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        work = dist.all_gather(gathered, tensor, group=self.allreduce_group, async_op=True)
+        assert work is not None
+        self._wait(work, "schedule agreement")
+        self.telemetry.count("layer_flags", tensor)
+        return [row.tolist() for row in gathered]
+
     # -- broadcasts ---------------------------------------------------------------
     def broadcast_decompositions(
         self,

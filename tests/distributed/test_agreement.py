@@ -170,8 +170,10 @@ def test_digest_is_deterministic_and_sensitive() -> None:
     base = _digest()
     assert header(base).tolist() == header(_digest()).tolist()
     assert header(base).shape == (3,) and header(base).dtype == torch.int64
-    # Two schedules are not compared: only constant against callable.
-    assert header(_digest(lr=lambda s: 0.1)).tolist() == header(_digest(lr=lambda s: 0.2)).tolist()
+    # Two schedules are compared by their values at step 0 (later steps: ScheduleCheck).
+    assert header(_digest(lr=lambda s: 0.1)).tolist() == header(_digest(lr=lambda s: 0.1)).tolist()
+    assert header(_digest(lr=lambda s: 0.1)).tolist() != header(_digest(lr=lambda s: 0.2)).tolist()
+    assert _digest(lr=lambda s: 0.1 / (s - 0))["lr (at step 0)"] == float("inf")  # (raises)
     for other in (
         _digest(damping=0.01),
         _digest(lr=lambda s: 0.1),

@@ -128,6 +128,12 @@ def test_dispatch_from_the_kaisa_command(capsys: pytest.CaptureFixture[str]) -> 
         (["--world-size", "4", "--model", "kaisa.models:nothing_here"], "no callable"),
         (["--world-size", "4", "--model", "json:dumps"], "--model"),
         (["--world-size", "4", "--model", ":build"], "package.module:factory"),
+        # Issue 30, item 6f: refused at once, not exhausting the memory after a minute.
+        (["--world-size", "1000000000"], "at most 65536 ranks"),
+        (["--world-size", "65537", "--json"], "at most 65536 ranks"),
+        # Issue 30, item 6f: every --model failure on one line (these were tracebacks).
+        (["--world-size", "4", "--model", "..:build"], "cannot import '..': TypeError"),
+        (["--world-size", "4", "--model", "sys:exit"], "sys:exit() raised SystemExit"),
     ],
 )
 def test_errors_are_one_line(
@@ -221,3 +227,35 @@ def test_a_users_model_from_module_and_factory(
     assert report["num_layers"] == 2
     layers = {la["name"]: (la["a_size"], la["g_size"]) for la in report["plan"]["layers"]}
     assert layers == {"0": (11, 20), "2": (21, 3)}
+
+
+@pytest.mark.parametrize(
+    ("source", "fragment"),
+    [
+        ("raise RuntimeError('no GPU here')\n", "cannot import 'broken_for_plan': RuntimeError"),
+        ("def build(:\n", "cannot import 'broken_for_plan': SyntaxError"),
+        ("import sys\ndef build():\n    sys.exit(3)\n", "build() raised SystemExit: 3"),
+        (
+            "from torch import nn\nclass Bad(nn.Module):\n"
+            "    def named_modules(self, *a, **k):\n        raise KeyError('x')\n"
+            "def build():\n    return Bad()\n",
+            "reading the layers of broken_for_plan:build()'s model raised KeyError",
+        ),
+    ],
+    ids=["import-raises", "syntax-error", "factory-exits", "layers-raise"],
+)
+def test_a_broken_users_model_is_one_line(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    source: str,
+    fragment: str,
+) -> None:
+    """Issue 30, item 6f: the user's module failing in any way is one line, exit status 2."""
+    (tmp_path / "broken_for_plan.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "broken_for_plan", raising=False)
+    code, out, err = run(capsys, "--model", "broken_for_plan:build", "--world-size", "2")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("kaisa plan: error: argument --model: ") and fragment in err, err
