@@ -64,6 +64,7 @@ def _train(mode: str | None, **options: Any) -> tuple[list[torch.Tensor], list[s
         "inv_update_steps": 1,
         "curvature": "exact",
         "factor_decay": 0.5,
+        "lr": 0.1,
         **options,
     }
     pre = kaisa.KFACPreconditioner(model, **options)
@@ -109,7 +110,11 @@ def test_a_forward_without_backward_inside_checkpointing_is_still_reported() -> 
     """A real forward whose backward never runs is still dropped and reported."""
     model = Net("non-reentrant")
     pre = kaisa.KFACPreconditioner(
-        model, factor_update_steps=1, inv_update_steps=1, curvature="exact"
+        model,
+        factor_update_steps=1,
+        inv_update_steps=1,
+        curvature="exact",
+        lr=0.1,
     )
     x = torch.randn(4, 2, 4, 4, dtype=D)
     model(x)  # never backpropagated
@@ -207,7 +212,7 @@ def test_a_tensor_lr_turned_bad_raises_at_the_step_and_changes_nothing() -> None
     assert torch.equal(model.weight.grad, grad)
     schedule: Callable[[int], object] = lambda step: torch.ones(2)  # noqa: E731
     with pytest.raises(ValueError, match=r"the schedule returned it at step 0\); got a tensor"):
-        kaisa.KFACPreconditioner(nn.Linear(3, 2), damping=schedule).step()
+        kaisa.KFACPreconditioner(nn.Linear(3, 2), damping=schedule, lr=0.1).step()
 
 
 # -- pickle ------------------------------------------------------------------------
@@ -220,7 +225,7 @@ def test_a_tensor_lr_turned_bad_raises_at_the_step_and_changes_nothing() -> None
 )
 def test_pickling_the_preconditioner_points_at_state_dict(copier: Callable[[Any], Any]) -> None:
     model = nn.Linear(3, 2)
-    pre = kaisa.KFACPreconditioner(model, factor_update_steps=1)
+    pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, lr=0.1)
     with pytest.raises(TypeError, match="cannot be pickled or copied") as raised:
         copier(pre)
     assert "state_dict()" in str(raised.value) and "load_state_dict()" in str(raised.value)

@@ -27,7 +27,7 @@ def _build_differently(rank: int, world_size: int) -> None:
     import kaisa
 
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
-    kaisa.KFACPreconditioner(model, damping=0.03 if rank == 0 else 0.01)  # raises, uncaught
+    kaisa.KFACPreconditioner(model, damping=0.03 if rank == 0 else 0.01, lr=0.1)  # raises, uncaught
 
 
 def test_every_rank_exits_with_the_error_in_repeated_runs() -> None:

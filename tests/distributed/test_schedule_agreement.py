@@ -78,6 +78,7 @@ def _cases(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
             "factor_decay": 0.9,
             "kl_clip": 1e-3,
             "curvature": "exact",
+            "lr": 0.1,  # (the cases that vary lr override it)
             **options(rank),
         }
         result: dict[str, Any] = {"error": None, "steps": 0}
