@@ -231,12 +231,12 @@ def test_conflicting_options_are_refused() -> None:
         match=r"prepare_preconditioner\(accumulation_steps=3\) conflicts with "
         r"accelerator.gradient_accumulation_steps=2",
     ):
-        prepare_preconditioner(accelerator, model, accumulation_steps=3)
-    pre = prepare_preconditioner(accelerator, model, accumulation_steps=2)
+        prepare_preconditioner(accelerator, model, accumulation_steps=3, lr=0.1)
+    pre = prepare_preconditioner(accelerator, model, accumulation_steps=2, lr=0.1)
     assert pre.preconditioner.options.accumulation_steps == 2
     accelerator.scaler = torch.amp.GradScaler("cpu")
     with pytest.raises(ValueError, match=r"grad_scaler=\.\.\.\) is not accelerator.scaler"):
-        prepare_preconditioner(accelerator, model, grad_scaler=torch.amp.GradScaler("cpu"))
+        prepare_preconditioner(accelerator, model, grad_scaler=torch.amp.GradScaler("cpu"), lr=0.1)
 
 
 def test_missing_accelerate_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
