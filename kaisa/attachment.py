@@ -32,6 +32,8 @@ from typing import Any
 from torch import nn
 from torch.nn.modules import module as torch_module
 
+from kaisa.layers.registry import named_modules
+
 __all__ = [
     "Structure",
     "WeakCall",
@@ -196,7 +198,7 @@ class Structure:
     def __init__(self, model: nn.Module, registered: Sequence[nn.Module]) -> None:
         _watch_registrations()
         self._model = weakref.ref(model)
-        names = {id(m): name for name, m in model.named_modules()}
+        names = {id(m): name for name, m in named_modules(model)}
         self._registered: list[tuple[str, weakref.ref[nn.Module], str]] = []
         seen: set[int] = set()
         for module in registered:
@@ -234,11 +236,11 @@ class Structure:
         self._generation = _registrations
         present: dict[int, nn.Module] = {}
         found: list[str] = []
-        for name, module in model.named_modules():
-            present[id(module)] = module
-            if not self._is_known(module) and _owns_trainable(module):
+        for name, each in named_modules(model):
+            present[id(each)] = each
+            if not self._is_known(each) and _owns_trainable(each):
                 found.append(
-                    f"module {name!r} ({_describe(module)}) was added, with parameters kaisa "
+                    f"module {name!r} ({_describe(each)}) was added, with parameters kaisa "
                     "does not precondition"
                 )
         gone: list[str] = []
