@@ -267,6 +267,9 @@ class _Raw:
     reason: str
     group: str = ""
     detail: str = ""
+    #: A module kaisa knows nothing of (no handler, not a norm): its
+    #: parameters of two or more dimensions are named in one warning.
+    unknown: bool = False
 
 
 def _why_unhandled(module: nn.Module) -> _Raw:
@@ -290,7 +293,34 @@ def _why_unhandled(module: nn.Module) -> _Raw:
     if isinstance(module, nn.Embedding) and module.sparse:
         reason = "sparse embedding (sparse=True): sparse gradients are not preconditioned"
         return _Raw(reason, group=reason)
-    return _Raw(f"no handler for {type(module).__name__}")
+    kind = type(module).__name__
+    if next(module.children(), None) is not None:
+        # A module holding layers and tensors of its own (ViT's class token and
+        # position embeddings in ViTEmbeddings): the tensors are no layer.
+        return _Raw(f"a free parameter of {kind}, not a layer kaisa handles", unknown=True)
+    return _Raw(f"no handler for {kind}", unknown=True)
+
+
+def _unknown_warning(named: Sequence[Treatment]) -> list[str]:
+    """One warning naming the raw parameters (two or more dimensions) of modules kaisa lacks."""
+    if not named:
+        return []
+    listed = [
+        f"{t.parameter!r} ({'x'.join(map(str, t.shape))}, {t.reason})"
+        for t in named[:_NAMED_IN_WARNING]
+    ]
+    if len(named) > _NAMED_IN_WARNING:
+        listed.append(f"and {len(named) - _NAMED_IN_WARNING} more")
+    one = len(named) == 1
+    count = "1 parameter" if one else f"{len(named)} parameters"
+    verbs = (
+        ("belongs", "is", "its gradient is") if one else ("belong", "are", "their gradients are")
+    )
+    return [
+        f"kaisa: {count} of two or more dimensions {verbs[0]} to no layer kaisa handles and "
+        f"{verbs[1]} left raw: {', '.join(listed)}; {verbs[2]} left as is (teach kaisa a "
+        "layer type with kaisa.register_handler; coverage() lists every parameter)"
+    ]
 
 
 #: Modules named one by one in a warning about several.
@@ -396,6 +426,7 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
     skipped: dict[str, list[tuple[str, nn.Module, _Raw]]] = {}
     warned_shared: set[tuple[str, ...]] = set()
     sharing: list[_Sharing] = []
+    unknown: dict[int, str] = {}  # parameters of modules kaisa knows nothing of: their reason
     seen: set[int] = set()
     for name, module in named_modules(model):
         if id(module) in seen:
@@ -424,6 +455,8 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
             why = _why_unhandled(module)
             for param in direct:
                 raw.setdefault(id(param), why.reason)
+                if why.unknown:
+                    unknown.setdefault(id(param), why.reason)
             if why.group:
                 skipped.setdefault(why.group, []).append((label, module, why))
             continue
@@ -495,6 +528,7 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
         for param in handler.parameters():
             by_param.setdefault(id(param), []).append((block, handler))
     treatments = []
+    unhandled: list[Treatment] = []  # raw matrices of modules kaisa knows nothing of
     for pname, param in named_parameters(model):
         if not param.requires_grad:
             continue
@@ -506,7 +540,10 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
         else:
             reason = raw.get(id(param), "not part of a registered layer")
             treatments.append(Treatment(pname, tuple(param.shape), (), "raw", reason))
-    return Survey(found, treatments, _skip_warnings(skipped) + messages, ties)
+            if param.dim() >= 2 and unknown.get(id(param)) == reason:
+                unhandled.append(treatments[-1])
+    warnings = _skip_warnings(skipped) + messages + _unknown_warning(unhandled)
+    return Survey(found, treatments, warnings, ties)
 
 
 @dataclass(frozen=True)
