@@ -29,6 +29,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
@@ -76,8 +77,12 @@ def attach(owner: Any, model: nn.Module, handlers: Sequence[Any], capturer: Any)
     ``owner._root_forward_done`` after (or on an exception in) each forward.
     All hold their targets weakly and are removed when ``owner`` is collected.
     """
+    # Under torch.compile each capture is one opaque call (torch.compiler.disable):
+    # the graph breaks there and resumes after it, at most one break per layer,
+    # instead of Dynamo tracing into the capture bookkeeping and giving up on
+    # whole frames (a loop over layers) at its first unsupported call.
     handles = [
-        handler.attach(WeakCall(capturer, "capture_at", index))
+        handler.attach(torch.compiler.disable(WeakCall(capturer, "capture_at", index)))  # type: ignore[no-untyped-call]
         for index, handler in enumerate(handlers)
     ]
     handles.append(model.register_forward_pre_hook(WeakCall(owner, "_root_forward")))

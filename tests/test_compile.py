@@ -131,3 +131,39 @@ def test_a_checkpoint_moves_between_eager_and_compiled_runs_bit_identically(
         assert torch.equal(got, want), (name, (got - want).abs().max())
     moved = (reference.fc1.weight - init.fc1.weight).abs().max()
     assert moved > 1e-3  # the steps did something
+
+
+@pytest.mark.timeout(120)
+def test_kaisa_adds_at_most_one_graph_break_per_layer() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    x, _ = _batch(0)
+    torch._dynamo.reset()
+    plain = torch._dynamo.explain(model)(x)
+    assert plain.graph_break_count == 0
+    pre = _pre(model)
+    torch._dynamo.reset()
+    hooked = torch._dynamo.explain(model)(x)
+    pre.discard_captures()  # the explained forward has no backward
+    # Each capture hook is one opaque call (torch.compiler.disable): the graph
+    # breaks there and resumes after it, so the rest of the model stays compiled.
+    assert 0 < hooked.graph_break_count <= len(pre.layers)
+    assert all("disable" in str(r.reason) for r in hooked.break_reasons)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_compiled_run_takes_the_eager_steps_with_factor_and_inverse_intervals(
+    backend: str,
+) -> None:
+    torch.manual_seed(0)
+    init = Net()
+    finals = []
+    for how in ("eager", "whole"):
+        model, run = _variant(init, how, backend)
+        pre = kaisa.KFACPreconditioner(run, lr=0.1, factor_update_steps=2, inv_update_steps=3)
+        _train(run, pre, range(7))
+        finals.append(model.state_dict())
+        assert [layer.block.updates for layer in pre.layers] == [4, 4, 4, 4]
+    for name, want in finals[0].items():
+        assert torch.equal(finals[1][name], want), name
