@@ -75,7 +75,7 @@ def coverage(model: nn.Module) -> tuple[float, int, list[tuple[str, int, str, bo
     """``(share preconditioned, elements, raw)`` over trainable parameters of ≥ 2 dims.
 
     ``raw``: ``(parameter, elements, reason, warned)``; ``warned`` when a
-    construction warning names its module.
+    construction warning names its module or the parameter.
     """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -93,7 +93,7 @@ def coverage(model: nn.Module) -> tuple[float, int, list[tuple[str, int, str, bo
             done += p.numel()
             continue
         module = t.parameter.rsplit(".", 1)[0]
-        warned = any(f"'{module}'" in m for m in messages)
+        warned = any(f"'{module}'" in m or f"'{t.parameter}'" in m for m in messages)
         raw.append((t.parameter, p.numel(), t.reason, warned))
     return done / total, total, raw
 

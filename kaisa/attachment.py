@@ -29,8 +29,11 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
+
+from kaisa.layers.registry import named_modules
 
 __all__ = [
     "Structure",
@@ -74,8 +77,12 @@ def attach(owner: Any, model: nn.Module, handlers: Sequence[Any], capturer: Any)
     ``owner._root_forward_done`` after (or on an exception in) each forward.
     All hold their targets weakly and are removed when ``owner`` is collected.
     """
+    # Under torch.compile each capture is one opaque call (torch.compiler.disable):
+    # the graph breaks there and resumes after it, at most one break per layer,
+    # instead of Dynamo tracing into the capture bookkeeping and giving up on
+    # whole frames (a loop over layers) at its first unsupported call.
     handles = [
-        handler.attach(WeakCall(capturer, "capture_at", index))
+        handler.attach(torch.compiler.disable(WeakCall(capturer, "capture_at", index)))  # type: ignore[no-untyped-call]
         for index, handler in enumerate(handlers)
     ]
     handles.append(model.register_forward_pre_hook(WeakCall(owner, "_root_forward")))
@@ -196,7 +203,7 @@ class Structure:
     def __init__(self, model: nn.Module, registered: Sequence[nn.Module]) -> None:
         _watch_registrations()
         self._model = weakref.ref(model)
-        names = {id(m): name for name, m in model.named_modules()}
+        names = {id(m): name for name, m in named_modules(model)}
         self._registered: list[tuple[str, weakref.ref[nn.Module], str]] = []
         seen: set[int] = set()
         for module in registered:
@@ -234,11 +241,11 @@ class Structure:
         self._generation = _registrations
         present: dict[int, nn.Module] = {}
         found: list[str] = []
-        for name, module in model.named_modules():
-            present[id(module)] = module
-            if not self._is_known(module) and _owns_trainable(module):
+        for name, each in named_modules(model):
+            present[id(each)] = each
+            if not self._is_known(each) and _owns_trainable(each):
                 found.append(
-                    f"module {name!r} ({_describe(module)}) was added, with parameters kaisa "
+                    f"module {name!r} ({_describe(each)}) was added, with parameters kaisa "
                     "does not precondition"
                 )
         gone: list[str] = []

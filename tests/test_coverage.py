@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -182,3 +183,82 @@ def test_layers_is_a_read_only_view_of_the_registered_layers() -> None:
         view[0].name = "x"  # type: ignore[misc]
     with pytest.raises(AttributeError):
         pre.layers = ()  # type: ignore[misc]
+
+
+class Embeddings(nn.Module):
+    """A patch projection with free tensors of its own (a class token, positions, a gate)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, d)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
+        self.positions = nn.Parameter(torch.zeros(1, 4, d))
+        self.gate = nn.Parameter(torch.ones(d))  # 1-D: listed, not warned about
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x) * self.gate
+        return torch.cat([self.cls_token.expand(len(x), -1, -1), x], 1)[:, :4] + self.positions
+
+
+class Bilinear(nn.Module):
+    """A layer kaisa has no handler for: its weight is a raw matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernel = nn.Parameter(torch.randn(8, 8) / 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.kernel
+
+
+def _constructed(model: nn.Module) -> tuple[kaisa.KFACPreconditioner, list[str]]:
+    with pytest.warns(UserWarning) as caught:
+        pre = kaisa.KFACPreconditioner(model, lr=0.1)
+    return pre, [str(w.message) for w in caught if "kaisa" in str(w.message)]
+
+
+def test_raw_matrices_of_modules_kaisa_lacks_are_named_in_one_warning_with_their_reason() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Embeddings(), Bilinear(), nn.Linear(8, 3))
+    pre, messages = _constructed(model)
+    named = [m for m in messages if "belong to no layer kaisa handles" in m]
+    assert len(named) == 1, messages
+    message = named[0]
+    free = "a free parameter of Embeddings, not a layer kaisa handles"
+    assert f"'0.cls_token' (1x1x8, {free})" in message
+    assert f"'0.positions' (1x4x8, {free})" in message
+    assert "'1.kernel' (8x8, no handler for Bilinear)" in message
+    assert message.startswith("kaisa: 3 parameters of two or more dimensions")
+    assert "0.gate" not in message and "0.proj" not in message
+    raw = {t.parameter: t.reason for t in pre.coverage().raw()}
+    assert raw == {
+        "0.cls_token": free,
+        "0.positions": free,
+        "0.gate": free,
+        "1.kernel": raw["1.kernel"],
+    }
+    assert raw["1.kernel"] == "no handler for Bilinear"
+    # It still trains: the free tensors keep their raw gradients.
+    x = torch.randn(5, 4, 4)
+    model(x).sum().backward()
+    before = model[0].cls_token.grad.clone()  # type: ignore[union-attr]
+    pre.step()
+    assert torch.equal(model[0].cls_token.grad, before)
+
+
+def test_many_unhandled_matrices_are_one_warning_that_counts_the_rest() -> None:
+    model = nn.Sequential(*[Bilinear() for _ in range(10)], nn.Linear(8, 3))
+    _, messages = _constructed(model)
+    named = [m for m in messages if "belong to no layer kaisa handles" in m]
+    assert len(named) == 1 and "kaisa: 10 parameters" in named[0]
+    assert "'7.kernel'" in named[0] and "'8.kernel'" not in named[0] and "and 2 more" in named[0]
+
+
+def test_norms_skipped_and_registered_layers_are_not_in_the_unhandled_warning() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), Bilinear(), nn.Linear(8, 3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kaisa.KFACPreconditioner(model, lr=0.1, skip_layers=[r"^2$"])
+    assert [str(w.message) for w in caught] == []  # the user skipped it: nothing to say
+    _, messages = _constructed(model)  # not skipped: named
+    assert any("'2.kernel' (8x8, no handler for Bilinear)" in m for m in messages)

@@ -267,6 +267,9 @@ class _Raw:
     reason: str
     group: str = ""
     detail: str = ""
+    #: A module kaisa knows nothing of (no handler, not a norm): its
+    #: parameters of two or more dimensions are named in one warning.
+    unknown: bool = False
 
 
 def _why_unhandled(module: nn.Module) -> _Raw:
@@ -290,7 +293,34 @@ def _why_unhandled(module: nn.Module) -> _Raw:
     if isinstance(module, nn.Embedding) and module.sparse:
         reason = "sparse embedding (sparse=True): sparse gradients are not preconditioned"
         return _Raw(reason, group=reason)
-    return _Raw(f"no handler for {type(module).__name__}")
+    kind = type(module).__name__
+    if next(module.children(), None) is not None:
+        # A module holding layers and tensors of its own (ViT's class token and
+        # position embeddings in ViTEmbeddings): the tensors are no layer.
+        return _Raw(f"a free parameter of {kind}, not a layer kaisa handles", unknown=True)
+    return _Raw(f"no handler for {kind}", unknown=True)
+
+
+def _unknown_warning(named: Sequence[Treatment]) -> list[str]:
+    """One warning naming the raw parameters (two or more dimensions) of modules kaisa lacks."""
+    if not named:
+        return []
+    listed = [
+        f"{t.parameter!r} ({'x'.join(map(str, t.shape))}, {t.reason})"
+        for t in named[:_NAMED_IN_WARNING]
+    ]
+    if len(named) > _NAMED_IN_WARNING:
+        listed.append(f"and {len(named) - _NAMED_IN_WARNING} more")
+    one = len(named) == 1
+    count = "1 parameter" if one else f"{len(named)} parameters"
+    verbs = (
+        ("belongs", "is", "its gradient is") if one else ("belong", "are", "their gradients are")
+    )
+    return [
+        f"kaisa: {count} of two or more dimensions {verbs[0]} to no layer kaisa handles and "
+        f"{verbs[1]} left raw: {', '.join(listed)}; {verbs[2]} left as is (teach kaisa a "
+        "layer type with kaisa.register_handler; coverage() lists every parameter)"
+    ]
 
 
 #: Modules named one by one in a warning about several.
@@ -320,6 +350,48 @@ def _skip_warnings(skipped: Mapping[str, Sequence[tuple[str, nn.Module, _Raw]]])
     return messages
 
 
+#: The attribute under which ``torch.compile`` keeps the module it compiled
+#: (an ``OptimizedModule``'s only child): a segment of every name below it.
+_COMPILED = "_orig_mod"
+
+
+def plain_name(name: str) -> str:
+    """``name`` without the ``_orig_mod`` segments that ``torch.compile`` inserts.
+
+    ``torch.compile(model)`` returns a wrapper holding ``model`` as
+    ``_orig_mod``, so ``model.0.weight`` becomes ``_orig_mod.0.weight`` (and a
+    compiled submodule ``block`` puts ``block._orig_mod.`` before its own
+    names). kaisa names layers and parameters as if nothing were compiled, so
+    ``coverage()``, checkpoints, ``skip_layers`` and ``curvature`` patterns and
+    warnings are the same either way (a checkpoint of an eager run loads into
+    a compiled one and back).
+    """
+    if _COMPILED not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != _COMPILED)
+
+
+def _compiled_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile``'s wrapper around the module it compiled."""
+    return type(module).__name__ == "OptimizedModule" and isinstance(
+        getattr(module, _COMPILED, None), nn.Module
+    )
+
+
+def named_modules(
+    model: nn.Module, *, remove_duplicate: bool = True
+) -> Iterator[tuple[str, nn.Module]]:
+    """``model.named_modules()`` named by :func:`plain_name`."""
+    for name, module in model.named_modules(remove_duplicate=remove_duplicate):
+        yield plain_name(name), module
+
+
+def named_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``model.named_parameters()`` named by :func:`plain_name`."""
+    for name, param in model.named_parameters():
+        yield plain_name(name), param
+
+
 def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object) -> Survey:
     """Every layer of ``model`` that kaisa preconditions, and how each parameter is treated.
 
@@ -344,23 +416,27 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
     patterns = [re.compile(p) for p in skip_layers]
     # Every module holding each parameter (by id), with its first name.
     holders: dict[int, dict[int, str]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
+    param: torch.Tensor
+    for name, module in named_modules(model, remove_duplicate=False):
         for param in module.parameters(recurse=False):
-            holders.setdefault(id(param), {}).setdefault(id(module), name or type(model).__name__)
+            holders.setdefault(id(param), {}).setdefault(id(module), name or type(module).__name__)
     found: list[tuple[str, LayerHandler]] = []
     raw: dict[int, str] = {}
     messages: list[str] = []
     skipped: dict[str, list[tuple[str, nn.Module, _Raw]]] = {}
     warned_shared: set[tuple[str, ...]] = set()
     sharing: list[_Sharing] = []
+    unknown: dict[int, str] = {}  # parameters of modules kaisa knows nothing of: their reason
     seen: set[int] = set()
-    for name, module in model.named_modules():
+    for name, module in named_modules(model):
         if id(module) in seen:
             continue
         seen.add(id(module))
         label = name or type(module).__name__
         class_name = type(module).__name__
         direct = list(module.parameters(recurse=False))
+        if _compiled_wrapper(module):
+            continue  # torch.compile's wrapper: not a module of the model (no name, no class)
         matched = next((p for p in patterns if p.search(name) or p.search(class_name)), None)
         if matched is not None:
             # The whole subtree: skip_layers=['Block'] leaves a Block's layers raw.
@@ -379,6 +455,8 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
             why = _why_unhandled(module)
             for param in direct:
                 raw.setdefault(id(param), why.reason)
+                if why.unknown:
+                    unknown.setdefault(id(param), why.reason)
             if why.group:
                 skipped.setdefault(why.group, []).append((label, module, why))
             continue
@@ -416,7 +494,7 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
             for param in claimed_module.parameters(recurse=False):
                 if id(param) not in covered:
                     raw.setdefault(id(param), f"not a projection of {class_name}")
-    param_names = {id(p): n for n, p in model.named_parameters()}
+    param_names = {id(p): n for n, p in named_parameters(model)}
     ties = _tie(sharing, holders, param_names)
     tied = {name for tie in ties for name, _ in tie.uses}
     for entry in sharing:
@@ -450,7 +528,8 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
         for param in handler.parameters():
             by_param.setdefault(id(param), []).append((block, handler))
     treatments = []
-    for pname, param in model.named_parameters():
+    unhandled: list[Treatment] = []  # raw matrices of modules kaisa knows nothing of
+    for pname, param in named_parameters(model):
         if not param.requires_grad:
             continue
         blocks = by_param.get(id(param), [])
@@ -461,7 +540,10 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
         else:
             reason = raw.get(id(param), "not part of a registered layer")
             treatments.append(Treatment(pname, tuple(param.shape), (), "raw", reason))
-    return Survey(found, treatments, _skip_warnings(skipped) + messages, ties)
+            if param.dim() >= 2 and unknown.get(id(param)) == reason:
+                unhandled.append(treatments[-1])
+    warnings = _skip_warnings(skipped) + messages + _unknown_warning(unhandled)
+    return Survey(found, treatments, warnings, ties)
 
 
 @dataclass(frozen=True)
