@@ -549,10 +549,7 @@ class KFACOptions:
         """
         hyper, auto = self.hyper, self.auto
         factor_steps = self.factor_interval(step, chosen)
-        if "inv_update_steps" in auto:
-            inv_steps = chosen[1] if chosen is not None else MIN_INV_STEPS
-        else:
-            inv_steps = hyper["inv_update_steps"].int_at(step)
+        inv_steps = self.inverse_interval(step, chosen)
         if "factor_decay" not in auto:
             decay = hyper["factor_decay"].at(step)
         elif chosen is None:
@@ -585,6 +582,12 @@ class KFACOptions:
         if "factor_update_steps" in self.auto:
             return chosen[0] if chosen is not None else MIN_FACTOR_STEPS
         return self.hyper["factor_update_steps"].int_at(step)
+
+    def inverse_interval(self, step: int, chosen: tuple[int, int] | None = None) -> int:
+        """``inv_update_steps`` at ``step`` (see :meth:`resolve`), alone."""
+        if "inv_update_steps" in self.auto:
+            return chosen[1] if chosen is not None else MIN_INV_STEPS
+        return self.hyper["inv_update_steps"].int_at(step)
 
     def describe_hyper(self, values: StepHyper) -> str:
         """``name=value`` for each hyperparameter: as given, or as chosen when automatic."""

@@ -370,6 +370,11 @@ class KFACPreconditioner(StateDictOnly):
         interval = self.options.factor_interval(self._steps, self._auto.intervals)
         return self._steps % interval == 0
 
+    def _is_update_step(self) -> bool:
+        """The current step updates factors or second-order state (by the schedules)."""
+        inv = self.options.inverse_interval(self._steps, self._auto.intervals)
+        return self._is_factor_step() or self._steps % inv == 0
+
     # -- hooks -----------------------------------------------------------------------
     def _root_forward(self, module: nn.Module, args: object) -> None:
         """A forward pass of the whole model (while training with autograd on) begins."""
@@ -433,7 +438,10 @@ class KFACPreconditioner(StateDictOnly):
             if self._auto.reopen_due(self._steps):
                 self._reopen_choice()
             self.telemetry.end_step()
-        self._schedules.check(self._steps)  # before the next iteration's hooks (all ranks)
+        # Before the next iteration's hooks (all ranks): the intervals every
+        # step, the other schedules when the next step updates factors or
+        # inverses (no collective and host sync per step for an optimizer's lr).
+        self._schedules.check(self._steps, update_due=self._is_update_step())
 
     def _update_factors(
         self, hyper: StepHyper, payloads: Mapping[str, Mapping[PayloadKey, tuple[Any, float]]]

@@ -22,13 +22,18 @@ CUDA device (``torch.cuda.set_device`` must have been called, as for any NCCL
 
 Schedules (callables) and 0-d tensors cannot be compared as given: the
 digest holds their values at step 0 (``lr (at step 0)``), and
-:class:`ScheduleCheck` compares their values at every later step, at the end
-of each ``step()`` for the next one (before the next iteration's hooks may
-launch a factor all-reduce that a rank on another factor interval would not
-match): one all-gather of a few float64 per step, only when some
-hyperparameter is a schedule or a tensor (a tensor changed in place between
-steps is read at the end of the step that used it: one step late). A
-difference raises
+:class:`ScheduleCheck` compares their later values at the end of a
+``step()`` for the next one (before the next iteration's hooks may launch a
+factor all-reduce that a rank on another factor interval would not match):
+one all-gather of a few float64, only when some hyperparameter is a
+schedule or a tensor. When a factor or inverse interval is a schedule, at
+every step; otherwise (the intervals agreed at construction) only before
+the steps that update factors or second-order state, so an ``lr`` read from
+the optimizer (``optimizer=``) costs no collective and no host sync on the
+other steps; a difference in ``lr``, ``damping``, ``factor_decay`` or
+``kl_clip`` is then named at the next update step. (A tensor changed in
+place between steps is read at the end of the step that used it: one step
+late.) A difference raises
 :class:`RankDisagreementError` on every rank, naming the hyperparameter, the
 step and every rank's value, instead of ranks diverging silently or a
 collective mismatch (with different factor intervals, gloo aborts the
@@ -73,6 +78,8 @@ MAX_LISTED = 10
 _FORMAT = 1
 #: The options whose values are constants or schedules (see :func:`_hyper`).
 _HYPER = ("factor_update_steps", "inv_update_steps", "damping", "factor_decay", "kl_clip", "lr")
+#: The hyperparameters that decide which steps run collectives.
+_INTERVALS = ("factor_update_steps", "inv_update_steps")
 #: Options compared as given (after validation).
 _PLAIN = (
     "accumulation_steps",
@@ -152,15 +159,28 @@ class ScheduleCheck:
             and name not in options.auto
             and options.hyper[name].is_schedule
         ]
+        #: Whether an interval is a schedule: then the ranks could disagree on
+        #: which steps update, so every name is compared at every step.
+        self.every_step = any(name in _INTERVALS for name in self.names)
+        #: How many all-gathers the check has made.
+        self.exchanges = 0
 
-    def check(self, step: int) -> None:
+    def check(self, step: int, *, update_due: bool = True) -> None:
         """Raise :class:`RankDisagreementError` on every rank unless all values at ``step`` match.
 
         Collective (every rank calls it at the end of every ``step()``); a
-        no-op with one rank or without schedules.
+        no-op with one rank or without schedules. With constant (or
+        automatic) intervals, which every rank was shown to share at
+        construction, the values are compared only when ``update_due`` (step
+        ``step`` updates factors or second-order state: the steps whose
+        collectives a difference could mismatch), so an optimizer's ``lr``
+        read each step costs no all-gather and no host sync on the others.
         """
         if not self.names or not self.comm.distributed:
             return
+        if not (self.every_step or update_due):
+            return
+        self.exchanges += 1
         rows = self.comm.gather_values([_value_at(self.options, n, step) for n in self.names])
         parts = []
         for i, name in enumerate(self.names):

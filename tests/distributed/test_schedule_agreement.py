@@ -1,10 +1,11 @@
 """Ranks given different schedules fail fast, naming the hyperparameter (issue 30, item 6d).
 
 Schedules (callables) and 0-d tensors cannot be compared at construction as
-constants are: their values at step 0 are, and their values at every later
-step are compared at the end of the ``step()`` before it (one tiny
-all-gather). Two gloo ranks with schedules that differ from some step on
-must both raise :class:`~kaisa.distributed.agreement.RankDisagreementError`
+constants are: their values at step 0 are, and their later values at the
+end of the ``step()`` before (one tiny all-gather): at every step when an
+interval is a schedule, else only before factor or inverse update steps.
+Two gloo ranks with schedules that differ from some step on must both
+raise :class:`~kaisa.distributed.agreement.RankDisagreementError`
 naming the hyperparameter, the step and both values, at that step, instead
 of drifting apart silently (a different ``lr`` changes KL clipping) or
 mismatching their collectives (a different factor interval); ranks with
@@ -26,8 +27,8 @@ from kaisa.distributed.agreement import RankDisagreementError
 STEPS = 5
 
 
-def _lr_changes_at_3(rank: int) -> Callable[[int], float]:
-    return lambda step: 0.1 if rank == 0 or step < 3 else 0.2
+def _lr_changes_at(at: int, rank: int) -> Callable[[int], float]:
+    return lambda step: 0.1 if rank == 0 or step < at else 0.2
 
 
 def _factor_interval_changes_at_2(rank: int) -> Callable[[int], int]:
@@ -38,13 +39,27 @@ def _inverse_interval_at_0(rank: int) -> Callable[[int], int]:
     return lambda step: 1 + rank
 
 
+EVERY_4 = {"factor_update_steps": 4, "inv_update_steps": 4}
+
 #: name -> (options for a rank, step at which the rank changes its tensor lr, expected text).
 CASES: dict[str, tuple[Callable[[int], dict[str, Any]], int | None, str | None]] = {
     "same schedules": (lambda rank: {"lr": lambda step: 0.1 / (1 + step)}, None, None),
     "lr from step 3": (
-        lambda rank: {"lr": _lr_changes_at_3(rank)},
+        lambda rank: {"lr": _lr_changes_at(3, rank)},
         None,
         "ranks disagree on lr at step 3: rank 0 has 0.1, rank 1 has 0.2",
+    ),
+    # Constant intervals: the values are compared before update steps only
+    # (no collective on the others), so a difference from step 1 is named at 4.
+    "lr from step 1, updates every 4": (
+        lambda rank: {"lr": _lr_changes_at(1, rank), **EVERY_4},
+        None,
+        "ranks disagree on lr at step 4: rank 0 has 0.1, rank 1 has 0.2",
+    ),
+    "same lr schedule, updates every 4": (
+        lambda rank: {"lr": lambda step: 0.1 / (1 + step), **EVERY_4},
+        None,
+        None,
     ),
     "factor interval from step 2": (
         lambda rank: {"factor_update_steps": _factor_interval_changes_at_2(rank)},
@@ -100,6 +115,7 @@ def _cases(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
         except RankDisagreementError as error:
             result.update(error=str(error), at=f"step {pre.steps}")
         result["steps"] = pre.steps
+        result["exchanges"] = pre._schedules.exchanges
         result["weights"] = [p.detach().clone() for p in model.parameters()]
         pre.remove_hooks()
         out[name] = result
@@ -115,6 +131,9 @@ def test_different_schedules_fail_fast_on_every_rank_naming_the_option() -> None
             assert a["steps"] == b["steps"] == STEPS
             for wa, wb in zip(a["weights"], b["weights"], strict=True):
                 assert torch.equal(wa, wb)
+            # Updates every step: compared at each; every 4: only before step 4.
+            expected_exchanges = 1 if "every 4" in name else STEPS
+            assert a["exchanges"] == b["exchanges"] == expected_exchanges, (name, a)
             continue
         for rank, result in enumerate((a, b)):
             assert result["error"] is not None, f"{name}: rank {rank} did not raise"
