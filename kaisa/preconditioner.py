@@ -259,6 +259,8 @@ class KFACPreconditioner(StateDictOnly):
         self._peak_capture_bytes = 0
         self._capturer.enabled = self._is_factor_step()
         self._force_inverse_update = False
+        if not self._auto.pending:
+            self._report_uncorrected()
         log.info(
             "kaisa: %d layer(s) registered on rank %d of %d (%d gradient worker(s) per layer)",
             len(self._roster),
@@ -295,10 +297,17 @@ class KFACPreconditioner(StateDictOnly):
         """Install a choice: blocks, plan, factor layout and intervals (between steps)."""
         self._auto.install(choice, self._steps)
         self._roster.install(choice.specs, self._auto.keys)
+        self._report_uncorrected()
         self.plan = self._make_plan(self._roster.handlers, choice.specs)
         self.comm.set_layout(self._layout(), self.plan)
         self._roster.place(self.plan, self.rank)
         self._capturer.enabled = self._is_factor_step()
+
+    def _report_uncorrected(self) -> None:
+        """Warn once when the eigenvalue correction leaves layers out (never silently)."""
+        message = self._roster.uncorrected_message()
+        if message is not None and self._watch.once("uncorrected"):
+            warn(message)
 
     def _reopen_choice(self) -> None:
         """The clock calibration is due: capture everything once more and choose again."""

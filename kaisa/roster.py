@@ -39,6 +39,9 @@ __all__ = ["Layer", "Roster"]
 
 log = logging.getLogger("kaisa")
 
+#: At most this many layers are named in the eigenvalue correction's warning.
+MAX_LISTED = 8
+
 #: What a layer captures, given its name and its block's representations.
 KeysFor = Callable[[str, Sequence[SideSpec]], tuple[PayloadKey, ...]]
 
@@ -151,7 +154,22 @@ class Layer:
             micro_batches=self.captures.micro_batches,
             pending_passes=self.captures.pending,
             captured_rows=dict(self.captures.rows),
+            corrected=self.correction_gap() is None and self.block.correction != "off",
         )
+
+    def correction_gap(self) -> str | None:
+        """Why ``eigenvalue_correction`` (when on) leaves this layer out; ``None`` if it does not.
+
+        A low-rank or Kronecker-vector side has no explicit eigenbasis, and a
+        tied weight is solved with its uses' summed curvature
+        (:mod:`kaisa.curvature.shared`), which the correction does not reach.
+        """
+        if self.tied_to is not None or self.shared is not None:
+            return "a tied weight"
+        if self.block.correction == "off":
+            a, g = self.block.specs
+            return f"A {a}, G {g}"
+        return None
 
     def has_local_gradient(self) -> bool:
         """Whether a parameter of the layer has a non-zero local ``.grad`` on this rank.
@@ -265,6 +283,29 @@ class Roster:
     def rekey(self, keys: KeysFor) -> None:
         for layer in self.layers:
             layer.captures.keys = keys(layer.name, layer.block.specs)
+
+    def uncorrected(self) -> list[tuple[str, str]]:
+        """``(name, why)`` of every layer the eigenvalue correction, when on, does not reach."""
+        if self.options.eigenvalue_correction == "off":
+            return []
+        gaps = [(layer.name, layer.correction_gap()) for layer in self.layers]
+        return [(name, why) for name, why in gaps if why is not None]
+
+    def uncorrected_message(self) -> str | None:
+        """The warning for layers the eigenvalue correction, when on, leaves out (or None)."""
+        left = self.uncorrected()
+        if not left:
+            return None
+        shown = ", ".join(f"{name!r} ({why})" for name, why in left[:MAX_LISTED])
+        more = f" and {len(left) - MAX_LISTED} more" if len(left) > MAX_LISTED else ""
+        return (
+            f"kaisa: eigenvalue_correction={self.options.eigenvalue_correction!r} reaches "
+            f"{len(self) - len(left)} of {len(self)} layers; the others keep K-FAC's solve: "
+            f"{shown}{more} (a low-rank or Kronecker-vector side has no explicit eigenbasis; a "
+            "tied weight is solved with its uses' summed curvature). curvature='exact', or a "
+            "curvature rule for these layers, lets it reach them; layers[i].corrected says "
+            "which it reaches"
+        )
 
     def place(self, plan: WorkPlan, rank: int) -> None:
         """Who preconditions what (decided here, read everywhere else); state for this rank's."""

@@ -87,7 +87,8 @@ class RegisteredLayer:
     (per side ``'gram'`` or ``'moments'``); ``micro_batches`` and
     ``pending_passes``: the current iteration's complete passes and calls
     still waiting for their output gradient; ``captured_rows``: the rows
-    captured so far in it, per ``(side, capture)``.
+    captured so far in it, per ``(side, capture)``; ``corrected``: whether
+    ``eigenvalue_correction`` reaches it.
     """
 
     name: str
@@ -104,3 +105,7 @@ class RegisteredLayer:
     micro_batches: int
     pending_passes: int
     captured_rows: dict[tuple[str, Capture], int]
+    #: The eigenvalue correction preconditions the layer (``eigenvalue_correction``
+    #: on, both sides exact or diagonal, not a tied weight; see
+    #: :meth:`~kaisa.roster.Layer.correction_gap`).
+    corrected: bool = False

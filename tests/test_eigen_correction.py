@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -108,14 +109,100 @@ def test_the_correction_applies_to_exact_and_diagonal_sides_only() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3))
     curvature = {"^0$": "exact", "^2$": ("lowrank:2", "exact"), "^4$": ("exact", "diagonal")}
-    pre = kaisa.KFACPreconditioner(
-        model, eigenvalue_correction="adam", **{**OPTIONS, "curvature": curvature}
-    )
+    with pytest.warns(RuntimeWarning, match="reaches 2 of 3 layers"):
+        pre = kaisa.KFACPreconditioner(
+            model, eigenvalue_correction="adam", **{**OPTIONS, "curvature": curvature}
+        )
     _train(model, pre, range(3))
     states = {layer.name: layer.block.state_dict() for layer in pre.layers}
     assert "eigen_scales" in states["0"] and "eigen_scales" in states["4"]
     assert "eigen_scales" not in states["2"]
     assert states["4"]["eigen_scales"].shape == (3, 9)  # (out, in + bias)
+
+
+def test_layers_the_correction_does_not_reach_are_named_at_construction() -> None:
+    """Fixed representations: a low-rank side leaves its layer out, said once, by name."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3))
+    curvature = {"^0$": "exact", "^2$": ("lowrank:2", "exact"), "^4$": ("exact", "diagonal")}
+    with pytest.warns(RuntimeWarning) as caught:
+        pre = kaisa.KFACPreconditioner(
+            model, eigenvalue_correction="adam", **{**OPTIONS, "curvature": curvature}
+        )
+    texts = [str(w.message) for w in caught if "eigenvalue_correction" in str(w.message)]
+    assert len(texts) == 1
+    assert "reaches 2 of 3 layers" in texts[0] and "'2' (A lowrank:2, G exact)" in texts[0]
+    assert {layer.name: layer.corrected for layer in pre.layers} == {
+        "0": True,
+        "2": False,
+        "4": True,
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not again at the steps
+        _train(model, pre, range(3))
+    # Off, or every layer reached: nothing said, and no layer is "corrected" when off.
+    for correction, kinds in (("off", curvature), ("adam", "exact")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            quiet = kaisa.KFACPreconditioner(
+                _net(), eigenvalue_correction=correction, **{**OPTIONS, "curvature": kinds}
+            )
+        assert all(layer.corrected == (correction == "adam") for layer in quiet.layers)
+
+
+class _Tied(nn.Module):
+    """A token embedding tied to the output head, a hidden layer between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(10, 6)
+        self.hidden = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.hidden(self.embed(ids))))
+
+
+def test_a_tied_weight_is_named_as_left_to_its_summed_curvature() -> None:
+    model = _Tied()
+    with pytest.warns(RuntimeWarning) as caught:
+        pre = kaisa.KFACPreconditioner(model, eigenvalue_correction="adam", **OPTIONS)
+    texts = [str(w.message) for w in caught if "eigenvalue_correction" in str(w.message)]
+    assert len(texts) == 1 and "reaches 1 of 3 layers" in texts[0], texts
+    assert "'embed' (a tied weight)" in texts[0] and "'head' (a tied weight)" in texts[0]
+    assert [layer.name for layer in pre.layers if layer.corrected] == ["hidden"]
+
+
+def test_layers_the_automatic_choice_leaves_uncorrected_are_named_when_it_is_made() -> None:
+    """Sides left to the budget: nothing is said until the choice is made, then once."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3))
+    curvature = {"^0$": ("lowrank:4", "auto"), "^2$": "auto"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pre = kaisa.KFACPreconditioner(
+            model, eigenvalue_correction="adam", **{**OPTIONS, "curvature": curvature}
+        )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    said: list[str] = []
+    for step in range(12):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(x).square().mean().backward()
+            pre.step()
+        said += [str(w.message) for w in caught if "eigenvalue_correction" in str(w.message)]
+        optimizer.step()
+        optimizer.zero_grad()
+    assert pre.curvature_choice is not None
+    left = [layer.name for layer in pre.layers if not layer.corrected]
+    specs = {layer.name: layer.curvature for layer in pre.layers}
+    assert "0" in left, specs
+    assert len(said) == 1, said
+    for name in left:
+        a, g = specs[name]
+        assert f"{name!r} (A {a}, G {g})" in said[0]
 
 
 def test_a_diagonal_side_is_corrected_in_the_other_sides_basis_only() -> None:
