@@ -62,7 +62,8 @@ def early_refresh(chosen: int) -> Callable[[int], int]:
     return at
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, variant: str | None = None) -> int:
+    """Run the probe; ``variant`` (a caller's in-process change) is recorded in each row."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--workload", required=True)
     p.add_argument("--arm", required=True, choices=ARM_NAMES)
@@ -135,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             "last": None if result.final_value is None else round(result.final_value, 4),
             "wall_s": round(time.time() - start, 1),
         }
+        if variant is not None:
+            row["variant"] = variant
         choice = result.kfac_choice
         if choice:
             row["intervals"] = [choice["factor_update_steps"], choice["inv_update_steps"]]
