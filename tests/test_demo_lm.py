@@ -26,12 +26,15 @@ from kaisa.demo.cli import build_config, main, parse_args
 from kaisa.demo.compare import summarize_suite
 from kaisa.demo.config import (
     ARM_NAMES,
+    DEFAULT_LR_FILE,
     METRICS,
     WORKLOAD_FALLBACK_LRS,
     WORKLOADS,
     DemoConfig,
     SuiteConfig,
     make_arm,
+    read_lr_table,
+    resolve_lr,
 )
 from kaisa.demo.report import format_summary, format_table, summary_markdown
 from kaisa.demo.text import DEFAULT_TEXT_DIR, load_text_corpus
@@ -78,8 +81,15 @@ def _suite(*args: str) -> SuiteConfig:
     return build_config(parse_args(["--out", "unused", *args]))
 
 
-def _lm_config(corpus_dir: Path, arms: tuple[str, ...], **changes: object) -> DemoConfig:
-    config = _suite("--text-dir", str(corpus_dir), *TINY_LM_ARGS, "--arms", ",".join(arms))
+def _demo_lr(arm: str) -> float:
+    """The demo's rate for ``arm`` on gpt: the sweep file's, else the fallback table's."""
+    return resolve_lr("gpt", arm, {}, read_lr_table(DEFAULT_LR_FILE))[0]
+
+
+def _lm_config(
+    corpus_dir: Path, arms: tuple[str, ...], *extra: str, **changes: object
+) -> DemoConfig:
+    config = _suite("--text-dir", str(corpus_dir), *TINY_LM_ARGS, "--arms", ",".join(arms), *extra)
     return dataclasses.replace(config.workloads[0], progress=False, **changes)  # type: ignore[arg-type]
 
 
@@ -203,7 +213,9 @@ def test_the_loss_metric_is_reached_at_or_below_the_target() -> None:
 
 def test_stop_at_target_stops_at_the_first_loss_at_or_below_it(corpus_dir: Path) -> None:
     data = load_text_corpus(corpus_dir)
-    config = _lm_config(corpus_dir, ("adamw",))
+    # A fixed rate (the fallback table's), not the sweep file's: what is
+    # tested is the stop, on a tiny run whose learning it checks first.
+    config = _lm_config(corpus_dir, ("adamw",), "--lr", "adamw=0.003")
     arm = config.arms[0]
     full = train_arm(data, config, arm, 0)
     assert full.metric == "val_loss" and full.steps == 24
@@ -327,7 +339,7 @@ def test_demo_on_the_language_model(
         assert arm["seeds_reaching_target"] == 1, name
         assert arm["final_val_loss"] <= 4.5 and "final_test_accuracy" not in arm
         assert arm["steps_to_target"] == arm["per_seed"][0]["steps_to_target"] < 24
-        assert arm["hyperparameters"]["lr"] == 3e-3
+        assert arm["hyperparameters"]["lr"] == _demo_lr(name)
     assert results["comparisons"]["kaisa-adamw"]["vs_base"]["arm"] == "adamw"
     with (out / "gpt" / "evaluations.csv").open() as f:
         rows = list(csv.DictReader(f))
@@ -419,10 +431,11 @@ def test_steps_probe_runs_any_arm_on_the_language_model(
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
     assert rows == printed
     assert [(r["arm"], r["lr"], r["stopped_at"]) for r in rows] == [
-        ("adamw", 3e-3, 6), ("kaisa-sgd", 0.3, 6)]  # fmt: skip
+        ("adamw", _demo_lr("adamw"), 6), ("kaisa-sgd", _demo_lr("kaisa-sgd"), 6)]  # fmt: skip
     for r in rows:
         assert r["metric"] == "val_loss" and r["target"] == 2.1 and r["steps"] is None
-        assert math.isfinite(r["last"]) and r["lr_source"].startswith("fallback table for gpt")
+        source = resolve_lr("gpt", r["arm"], {}, read_lr_table(DEFAULT_LR_FILE))[1]
+        assert math.isfinite(r["last"]) and r["lr_source"].startswith(source.split(" (")[0])
     assert "intervals" in rows[1] and "intervals" not in rows[0]
     with pytest.raises(SystemExit):
         probe.main(["--workload", "gpt", "--arm", "adamw", "--kfac", '{"damping": 0.1}',
