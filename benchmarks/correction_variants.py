@@ -54,20 +54,16 @@ def use_power(power: float) -> None:
     def scaled(dg: torch.Tensor, da: torch.Tensor, damping: float) -> torch.Tensor:
         return torch.outer(dg, da).add_(damping).clamp_min_(0).pow_(-power)
 
+    solve = block.precondition_eigen
+
     def precondition_eigen(
-        grad: torch.Tensor,
-        qa: torch.Tensor,
-        qg: torch.Tensor,
-        da: torch.Tensor | None = None,
-        dg: torch.Tensor | None = None,
-        damping: float = 0.0,
-        outer_inverse: torch.Tensor | None = None,
+        grad: torch.Tensor, qa: torch.Tensor, qg: torch.Tensor, **given: Any
     ) -> torch.Tensor:
-        v = qg.t() @ grad.to(qa.dtype) @ qa
-        if outer_inverse is None:
-            assert da is not None and dg is not None
-            outer_inverse = scaled(dg, da, damping)
-        return (qg @ v.mul_(outer_inverse) @ qa.t()).to(grad.dtype)
+        # The library's solve, given the divisor's powered reciprocal.
+        outer = given.get("outer_inverse")
+        if outer is None:
+            outer = scaled(given["dg"], given["da"], given["damping"])
+        return solve(grad, qa, qg, outer_inverse=outer)
 
     block.precondition_eigen = precondition_eigen  # type: ignore[assignment]
     block.eigen_outer_inverse = scaled  # type: ignore[assignment]

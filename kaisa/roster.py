@@ -154,7 +154,7 @@ class Layer:
             micro_batches=self.captures.micro_batches,
             pending_passes=self.captures.pending,
             captured_rows=dict(self.captures.rows),
-            corrected=self.correction_gap() is None and self.block.correction != "off",
+            corrected=self.correction_gap() is None,
         )
 
     def correction_gap(self) -> str | None:
