@@ -29,8 +29,9 @@ AssignmentStrategy = Literal["compute", "memory"]
 """What the plan balances across ranks: decomposition time or memory."""
 ASSIGNMENT_STRATEGIES: tuple[AssignmentStrategy, ...] = get_args(AssignmentStrategy)
 
-EigenCorrection = Literal["off", "adam"]
-"""Eigenvalue correction of exact layers: none, or Adam's second moment in the eigenbasis."""
+EigenCorrection = Literal["off", "ekfac", "adam"]
+"""Eigenvalue correction of exact layers: none, EKFAC's solve at the factors' trace, or
+Adam's second moment in the eigenbasis."""
 EIGEN_CORRECTIONS: tuple[EigenCorrection, ...] = get_args(EigenCorrection)
 
 Grafting = Literal["off", "layer"]

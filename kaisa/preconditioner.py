@@ -154,7 +154,7 @@ class KFACPreconditioner(StateDictOnly):
         time_budget: float = 0.1,
         calibrate_budget: bool = False,
         eigenvalue_correction: str = "off",
-        eigenvalue_decay: float = 0.95,
+        eigenvalue_decay: float = 0.99,
         grafting: str = "off",
         cost_model: CostModel = DEFAULT_COST_MODEL,
         process_group: dist.ProcessGroup | None = None,

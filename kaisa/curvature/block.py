@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 
 from kaisa.choices import ComputeMethod, DampingMode, EigenCorrection, FactorInit
-from kaisa.curvature.eigencorrection import EigenScales, correction_power
+from kaisa.curvature.eigencorrection import EigenScales
 from kaisa.curvature.linalg import (
     DecompositionError,
     compute_dtype,
@@ -150,7 +150,7 @@ class KroneckerBlock:
         a_spec: SideSpec | str = "exact",
         g_spec: SideSpec | str = "exact",
         correction: EigenCorrection = "off",
-        correction_decay: float = 0.95,
+        correction_decay: float = 0.99,
     ) -> None:
         self.name = name
         self.damping_mode: DampingMode = damping_mode
@@ -167,7 +167,7 @@ class KroneckerBlock:
         #: Both sides exact: spec §4's exact solve (eigen or inverse).
         self.exact = all(spec.kind == "exact" for spec in specs.values())
         side_method = method if self.exact else "eigen"
-        #: Eigenvalue correction (``'adam'``) of a layer whose sides have explicit
+        #: Eigenvalue correction (``'ekfac'`` or ``'adam'``) of a layer whose sides have explicit
         #: eigenbases: exact (eigen method) or diagonal (the identity); ``'off'``
         #: for a layer with a low-rank or Kronecker-vector side (spec §11).
         self.correction: EigenCorrection = (
@@ -400,18 +400,23 @@ class KroneckerBlock:
         """The preconditioned gradient ``P`` for a ``(g_size, a_size)`` gradient."""
         if self.eigen_scales is not None:
             # Solved in at least float32 whatever inv_dtype (spec §4): work_state().
+            a, g = self.sides["a"], self.sides["g"]
             qa, qg = (
-                side.work_state()[0] if isinstance(side, ExactSide) else None
-                for side in (self.sides["a"], self.sides["g"])
+                side.work_state()[0] if isinstance(side, ExactSide) else None for side in (a, g)
             )
+            relative = self.damping_mode == "relative"
+            # μ, the mean eigenvalue product as the damping sees it ('ekfac'):
+            # each scaled factor's mean is 1 under relative damping.
+            kron_mean = 1.0 if relative else g.mean_eigenvalue() * a.mean_eigenvalue()
             return self.eigen_scales.solve(
                 grad,
                 qa,
                 qg,
                 damping,
                 self.correction_decay,
-                correction_power(self.correction),
-                relative=self.damping_mode == "relative",
+                self.correction,
+                relative,
+                kron_mean,
             ).contiguous()
         if not self.exact:
             a, g = self.sides["a"], self.sides["g"]

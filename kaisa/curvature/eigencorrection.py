@@ -8,16 +8,32 @@ by a running average of what that diagonal measures, the squared rotated
 gradient::
 
     S ← ξ S + (1 − ξ) V²                     (element-wise, every step)
-    P = Q_G [V ⊘ (S + γ s̄)^p] Q_Aᵀ
 
-``p = ½`` is Adam's second moment in the Kronecker eigenbasis, as SOAP runs
-Adam in Shampoo's; it is what ``eigenvalue_correction='adam'`` uses. ``p = 1``
-is EKFAC's solve, whose paper estimates ``S`` from per-example gradients:
-with the batch gradient's square it is not offered, because that ``S`` is
-about ``1/B`` of the per-example one when noise dominates, and the steps come
-out far too large (measured on the equivalence tests' attention model: the
-weights moved by 20–40 in one step at lr 0.1 where the exact solve moves them
-by 0.004). ``s̄`` is ``mean(S)`` under relative damping and 1 under absolute.
+Two solves use it (``eigenvalue_correction``):
+
+``'ekfac'``, EKFAC's solve at the factors' scale::
+
+    Ŝ = S · μ / mean(S),   μ = mean(λ_G λ_Aᵀ) = mean(λ_G) · mean(λ_A)
+    P = Q_G [V ⊘ (Ŝ + γ)] Q_Aᵀ
+
+``μ`` is the factors' own measure of the layer's curvature in total (the
+trace of ``G ⊗ A`` over its size), taken as the damping sees them: 1 under
+relative damping, where each factor is divided by its mean eigenvalue. The
+factors say how much curvature the layer has; ``S`` says how it is spread
+over the eigen-directions. EKFAC's paper estimates ``S`` from per-example
+gradients. The batch gradient's square is about ``1/B`` of that where noise
+dominates (and larger where the mean gradient dominates), so used as it is
+the steps come out far too large (on the equivalence tests' attention model
+the weights moved by 20–40 in one step at lr 0.1, where K-FAC's solve moves
+them by 0.004). Rescaled to ``μ``, the batch size drops out. With
+``S ∝ λ_G λ_Aᵀ`` this is K-FAC's exact eigen solve (spec §4) in either
+damping mode.
+
+``'adam'``, Adam's second moment in the Kronecker eigenbasis (as SOAP runs
+Adam in Shampoo's)::
+
+    P = Q_G [V ⊘ (S + γ s̄)^½] Q_Aᵀ,   s̄ = mean(S) (relative) or 1 (absolute)
+
 A side held diagonal (the budget's cheapest representation) has the identity
 as its eigenbasis: its rotation is skipped (``Q = None`` below), so a layer
 with one exact and one diagonal side is corrected in the exact side's basis
@@ -26,8 +42,7 @@ per-coordinate second moments. Low-rank and Kronecker-vector sides have no
 explicit basis; a layer with one of them is not corrected.
 The bases come from the factors and are refreshed at the inverse interval;
 ``S`` follows the gradients at every step, which is what lets a stale basis
-keep its scale right. With ``S = λ_G λ_Aᵀ`` and ``p = 1``
-this is the exact eigen solve of spec §4.
+keep its scale right.
 
 ``S`` has the weight's shape and lives with the layer's gradient workers (the
 ranks that precondition it, KAISA's placement): every gradient worker sees the
@@ -42,17 +57,10 @@ import torch
 
 from kaisa.choices import EigenCorrection
 
-__all__ = ["Basis", "EigenScales", "corrected_solve", "correction_power", "rotate_in", "rotate_out"]
+__all__ = ["Basis", "EigenScales", "corrected_solve", "divisor", "rotate_in", "rotate_out"]
 
 #: A side's eigenbasis ``Q``, or ``None`` for the identity (a diagonal side).
 Basis = torch.Tensor | None
-
-
-def correction_power(correction: EigenCorrection) -> float:
-    """``p`` of the corrected solve: ½ for ``'adam'``."""
-    if correction == "adam":
-        return 0.5
-    raise ValueError(f"no eigenvalue correction power for {correction!r}")
 
 
 def rotate_in(grad: torch.Tensor, qa: Basis, qg: Basis, dtype: torch.dtype) -> torch.Tensor:
@@ -79,32 +87,49 @@ def _dtype(qa: Basis, qg: Basis, scales: torch.Tensor) -> torch.dtype:
     return basis.dtype if basis is not None else scales.dtype
 
 
+def divisor(
+    scales: torch.Tensor,
+    damping: float,
+    correction: EigenCorrection,
+    relative: bool,
+    kron_mean: torch.Tensor | float = 1.0,
+) -> torch.Tensor:
+    """What the rotated gradient is divided by, element-wise (a new tensor, never 0).
+
+    ``'ekfac'``: ``S·μ/mean(S) + γ``, ``μ = kron_mean`` the mean of the
+    eigenvalue products as the damping sees them (1 under relative damping);
+    ``'adam'``: ``(S + γ s̄)^½`` (module docstring).
+    """
+    tiny = torch.finfo(scales.dtype).tiny
+    if correction == "ekfac":
+        mu = torch.as_tensor(kron_mean, dtype=scales.dtype, device=scales.device)
+        # (An all-zero S, a layer whose gradient was 0: Ŝ = 0 and P = 0, not 0/0.)
+        ratio = mu / scales.mean().clamp_min(tiny)
+        return (scales * ratio).add_(damping).clamp_min_(tiny)
+    if correction == "adam":
+        shift = damping * scales.mean() if relative else damping
+        return (scales + shift).clamp_min_(tiny).sqrt_()
+    raise ValueError(f"no eigenvalue-corrected solve for {correction!r}")
+
+
 def corrected_solve(
     grad: torch.Tensor,
     qa: Basis,
     qg: Basis,
     scales: torch.Tensor,
     damping: float,
-    power: float,
+    correction: EigenCorrection,
     relative: bool,
+    kron_mean: torch.Tensor | float = 1.0,
 ) -> torch.Tensor:
-    """``P = Q_G [(Q_Gᵀ ∇ Q_A) ⊘ (S + γ s̄)^p] Q_Aᵀ`` for a ``(g, a)`` gradient.
+    """``P = Q_G [(Q_Gᵀ ∇ Q_A) ⊘ D] Q_Aᵀ`` for a ``(g, a)`` gradient, ``D`` = :func:`divisor`.
 
     ``None`` for a basis: the identity (a diagonal side). Computed in the
     bases' dtype (``S``'s when both are ``None``), returned in ``grad``'s.
     """
     v = rotate_in(grad, qa, qg, _dtype(qa, qg, scales))
-    v.div_(_denominator(scales, damping, power, relative))
+    v.div_(divisor(scales, damping, correction, relative, kron_mean))
     return rotate_out(v, qa, qg).to(grad.dtype)
-
-
-def _denominator(
-    scales: torch.Tensor, damping: float, power: float, relative: bool
-) -> torch.Tensor:
-    shift = damping * scales.mean() if relative else damping
-    # (An all-zero S, a layer whose gradient was 0: P = 0 rather than 0/0.)
-    denominator = (scales + shift).clamp_min_(torch.finfo(scales.dtype).tiny)
-    return denominator.sqrt_() if power == 0.5 else denominator.pow_(power)
 
 
 @dataclass
@@ -132,8 +157,9 @@ class EigenScales:
         qg: Basis,
         damping: float,
         decay: float,
-        power: float,
+        correction: EigenCorrection,
         relative: bool,
+        kron_mean: torch.Tensor | float = 1.0,
     ) -> torch.Tensor:
         """Fold this step's rotated gradient into ``S``, then the corrected solve.
 
@@ -147,7 +173,7 @@ class EigenScales:
         # host sync: S stays as it was when anything is not finite).
         self.scales.copy_(torch.where(torch.isfinite(folded).all(), folded, self.scales))
         self.updates += 1
-        v.div_(_denominator(self.scales, damping, power, relative))
+        v.div_(divisor(self.scales, damping, correction, relative, kron_mean))
         return rotate_out(v, qa, qg).to(grad.dtype)
 
     def nbytes(self) -> int:

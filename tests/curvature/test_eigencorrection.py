@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kaisa.curvature.eigencorrection import EigenScales, corrected_solve, correction_power
+from kaisa.curvature.block import KroneckerBlock
+from kaisa.curvature.eigencorrection import EigenScales, corrected_solve, divisor
 from kaisa.curvature.grafting import graft
 from kaisa.curvature.linalg import precondition_eigen
 
@@ -25,19 +26,29 @@ def _dense_solve(
     return (q @ ((q.t() @ grad.reshape(-1)) / diag.reshape(-1))).reshape(grad.shape)
 
 
-@pytest.mark.parametrize("power", [1.0, 0.5])
+def _expected_divisor(
+    scales: torch.Tensor, damping: float, correction: str, relative: bool, kron_mean: float
+) -> torch.Tensor:
+    """The module docstring's divisors, written out."""
+    if correction == "ekfac":
+        return scales * (kron_mean / scales.mean()) + damping
+    return (scales + (damping * scales.mean() if relative else damping)) ** 0.5
+
+
+@pytest.mark.parametrize("correction", ["ekfac", "adam"])
 @pytest.mark.parametrize("relative", [False, True])
-def test_the_corrected_solve_is_the_dense_kronecker_system(power: float, relative: bool) -> None:
+def test_the_corrected_solve_is_the_dense_kronecker_system(correction: str, relative: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     g, a = 5, 4
     qa, qg = _orthogonal(a, gen), _orthogonal(g, gen)
     scales = torch.rand(g, a, generator=gen, dtype=D) + 0.1
     grad = torch.randn(g, a, generator=gen, dtype=D)
-    damping = 0.03
-    shift = damping * scales.mean() if relative else damping
-    expected = _dense_solve(grad, qa, qg, (scales + shift) ** power)
-    got = corrected_solve(grad, qa, qg, scales, damping, power, relative)
-    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    damping, kron_mean = 0.03, 1.0 if relative else 2.7
+    diag = _expected_divisor(scales, damping, correction, relative, kron_mean)
+    got = corrected_solve(
+        grad, qa, qg, scales, damping, correction, relative, torch.tensor(kron_mean, dtype=D)
+    )
+    torch.testing.assert_close(got, _dense_solve(grad, qa, qg, diag), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("identity", ["a", "g", "both"])
@@ -57,30 +68,41 @@ def test_a_diagonal_sides_basis_is_the_identity(identity: str) -> None:
     scales = torch.rand(g, a, generator=gen, dtype=D) + 0.1
     grad = torch.randn(g, a, generator=gen, dtype=D)
     expected = _dense_solve(grad, qa, qg, (scales + 0.03 * scales.mean()).sqrt())
-    got = corrected_solve(grad, qa_used, qg_used, scales, 0.03, 0.5, relative=True)
+    got = corrected_solve(grad, qa_used, qg_used, scales, 0.03, "adam", relative=True)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    expected = _dense_solve(grad, qa, qg, scales / scales.mean() + 0.03)
+    got = corrected_solve(grad, qa_used, qg_used, scales, 0.03, "ekfac", relative=True)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     running = EigenScales(torch.zeros(g, a, dtype=D))
     before = grad.clone()
-    first = running.solve(grad, qa_used, qg_used, 0.03, 0.95, 0.5, relative=True)
+    first = running.solve(grad, qa_used, qg_used, 0.03, 0.95, "adam", relative=True)
     torch.testing.assert_close(grad, before, rtol=0, atol=0)  # the gradient is not overwritten
     v = qg.t() @ grad @ qa
     torch.testing.assert_close(running.scales, v * v, rtol=1e-12, atol=1e-12)
     assert first.dtype == grad.dtype
 
 
-def test_with_the_eigenvalue_products_it_is_the_exact_eigen_solve() -> None:
-    """``S = λ_G λ_Aᵀ``, ``p = 1``: spec §4's solve."""
+@pytest.mark.parametrize("batch_scale", [1.0, 1e-3])
+def test_ekfac_with_the_eigenvalue_products_is_the_exact_eigen_solve(batch_scale: float) -> None:
+    """``S = c·λ_G λ_Aᵀ``: spec §4's solve whatever ``c`` (the batch gradient's 1/B), both
+    damping modes (under relative damping the factors are divided by their mean eigenvalue)."""
     gen = torch.Generator().manual_seed(1)
     g, a = 6, 3
     qa, qg = _orthogonal(a, gen), _orthogonal(g, gen)
     da, dg = torch.rand(a, generator=gen, dtype=D), torch.rand(g, generator=gen, dtype=D)
     grad = torch.randn(g, a, generator=gen, dtype=D)
-    exact = precondition_eigen(grad, qa, qg, da=da, dg=dg, damping=0.01)
-    got = corrected_solve(grad, qa, qg, torch.outer(dg, da), 0.01, 1.0, relative=False)
-    torch.testing.assert_close(got, exact, rtol=1e-12, atol=1e-12)
+    scales = batch_scale * torch.outer(dg, da)
+    absolute = precondition_eigen(grad, qa, qg, da=da, dg=dg, damping=0.01)
+    mu = dg.mean() * da.mean()
+    got = corrected_solve(grad, qa, qg, scales, 0.01, "ekfac", relative=False, kron_mean=mu)
+    torch.testing.assert_close(got, absolute, rtol=1e-12, atol=1e-12)
+    relative = precondition_eigen(grad, qa, qg, da=da / da.mean(), dg=dg / dg.mean(), damping=0.01)
+    got = corrected_solve(grad, qa, qg, scales, 0.01, "ekfac", relative=True)
+    torch.testing.assert_close(got, relative, rtol=1e-12, atol=1e-12)
 
 
-def test_the_running_average_of_squared_rotated_gradients() -> None:
+@pytest.mark.parametrize("correction", ["ekfac", "adam"])
+def test_the_running_average_of_squared_rotated_gradients(correction: str) -> None:
     """The first step replaces, then an equal-weight mean, then the decay (first_batch rule)."""
     gen = torch.Generator().manual_seed(2)
     g, a = 3, 4
@@ -90,15 +112,13 @@ def test_the_running_average_of_squared_rotated_gradients() -> None:
     decay = 0.6
     expected = torch.zeros(g, a, dtype=D)
     for k, grad in enumerate(grads):
-        got = scales.solve(grad, qa, qg, 0.02, decay, 0.5, relative=True)
+        got = scales.solve(grad, qa, qg, 0.02, decay, correction, relative=True)
         v = qg.t() @ grad @ qa
         xi = min(decay, k / (k + 1))
         expected = xi * expected + (1 - xi) * v * v
         torch.testing.assert_close(scales.scales, expected, rtol=1e-12, atol=1e-14)
-        shift = 0.02 * expected.mean()
-        torch.testing.assert_close(
-            got, _dense_solve(grad, qa, qg, (expected + shift).sqrt()), rtol=1e-12, atol=1e-12
-        )
+        diag = _expected_divisor(expected, 0.02, correction, True, 1.0)
+        torch.testing.assert_close(got, _dense_solve(grad, qa, qg, diag), rtol=1e-12, atol=1e-12)
     assert scales.updates == 5
 
 
@@ -106,24 +126,25 @@ def test_a_non_finite_gradient_leaves_the_scales_as_they_were() -> None:
     gen = torch.Generator().manual_seed(3)
     eye3, eye2 = torch.eye(3, dtype=D), torch.eye(2, dtype=D)
     scales = EigenScales.zeros(2, 3, torch.device("cpu"), D)
-    scales.solve(torch.randn(2, 3, generator=gen, dtype=D), eye3, eye2, 0.1, 0.9, 1.0, True)
+    scales.solve(torch.randn(2, 3, generator=gen, dtype=D), eye3, eye2, 0.1, 0.9, "ekfac", True)
     before = scales.scales.clone()
     bad = torch.full((2, 3), float("inf"), dtype=D)
-    scales.solve(bad, eye3, eye2, 0.1, 0.9, 1.0, True)
+    scales.solve(bad, eye3, eye2, 0.1, 0.9, "ekfac", True)
     assert torch.equal(scales.scales, before)
 
 
-def test_a_zero_gradient_gives_a_zero_step_not_nan() -> None:
+@pytest.mark.parametrize("correction", ["ekfac", "adam"])
+@pytest.mark.parametrize("relative", [False, True])
+def test_a_zero_gradient_gives_a_zero_step_not_nan(correction: str, relative: bool) -> None:
     eye = torch.eye(2, dtype=D)
     scales = EigenScales.zeros(2, 2, torch.device("cpu"), D)
-    out = scales.solve(torch.zeros(2, 2, dtype=D), eye, eye, 0.1, 0.9, 1.0, True)
+    out = scales.solve(torch.zeros(2, 2, dtype=D), eye, eye, 0.1, 0.9, correction, relative)
     assert torch.equal(out, torch.zeros(2, 2, dtype=D))
 
 
-def test_correction_powers() -> None:
-    assert correction_power("adam") == 0.5
+def test_no_divisor_without_a_correction() -> None:
     with pytest.raises(ValueError, match="'off'"):
-        correction_power("off")
+        divisor(torch.ones(2, 2), 0.1, "off", True)  # type: ignore[arg-type]
 
 
 def test_grafting_keeps_the_direction_and_takes_the_raw_norm() -> None:
@@ -137,3 +158,55 @@ def test_grafting_keeps_the_direction_and_takes_the_raw_norm() -> None:
     zero = torch.zeros(2, 2, dtype=D)
     graft(zero, torch.ones(2, 2, dtype=D))
     assert torch.equal(zero, torch.zeros(2, 2, dtype=D))
+
+
+def _spd(n: int, gen: torch.Generator) -> torch.Tensor:
+    m = torch.randn(n, 2 * n, generator=gen, dtype=D)
+    return m @ m.t() / (2 * n) + 0.1 * torch.eye(n, dtype=D)
+
+
+@pytest.mark.parametrize("g_spec", ["exact", "diagonal"])
+@pytest.mark.parametrize("relative", [False, True])
+def test_an_ekfac_block_divides_by_s_at_its_factors_mean_product(
+    g_spec: str, relative: bool
+) -> None:
+    """Through :class:`KroneckerBlock`: ``S`` folded, then rescaled to ``μ`` from the sides
+    (``trace(A)/a · trace(G)/g`` under absolute damping, 1 under relative), against the
+    dense Kronecker system; a diagonal side's basis is the identity."""
+    gen = torch.Generator().manual_seed(5)
+    a_size, g_size = 4, 3
+    block = KroneckerBlock(
+        "layer",
+        a_size,
+        g_size,
+        device=torch.device("cpu"),
+        factor_dtype=D,
+        inv_dtype=D,
+        method="eigen",
+        eigen_outer_product=False,
+        damping_mode="relative" if relative else "absolute",
+        g_spec=g_spec,
+        correction="ekfac",
+        correction_decay=0.9,
+    )
+    a, g = _spd(a_size, gen), _spd(g_size, gen)
+    g_batch = g if g_spec == "exact" else torch.stack([torch.zeros(g_size, dtype=D), g.diagonal()])
+    block.fold(a, g_batch, 0.0)
+    for which in ("a", "g"):
+        assert block.decompose(which, 0.01)  # type: ignore[arg-type]
+    block.finish_update(0.01)
+    assert block.eigen_scales is not None
+    start = torch.rand(g_size, a_size, generator=gen, dtype=D) + 0.5
+    block.eigen_scales.scales.copy_(start)
+    block.eigen_scales.updates = 100  # past the equal-weight start: the decay applies
+    grad = torch.randn(g_size, a_size, generator=gen, dtype=D)
+    got = block.precondition(grad, 0.01)
+    qa = torch.linalg.eigh(a).eigenvectors.contiguous()
+    qg = torch.linalg.eigh(g).eigenvectors.contiguous()
+    if g_spec == "diagonal":
+        qg = torch.eye(g_size, dtype=D)
+    v = qg.t() @ grad @ qa
+    scales = 0.9 * start + 0.1 * v * v
+    mu = 1.0 if relative else float(a.trace() / a_size * g.trace() / g_size)
+    expected = _dense_solve(grad, qa, qg, _expected_divisor(scales, 0.01, "ekfac", relative, mu))
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)

@@ -333,7 +333,7 @@ def configs(world_size: int) -> list[Config]:
                 f,
                 "eigen",
                 model="attention",
-                correction="adam",
+                correction="ekfac",
                 relative=True,
                 colocate_factors=False,
                 update_factors_in_hook=False,
@@ -359,7 +359,9 @@ def configs(world_size: int) -> list[Config]:
             Config(f, "inverse", curvature="mix_exact_layer", bucket_cap_mb=SMALL_BUCKET_MB),
             # The correction of an (exact, diagonal) layer, fc2 (its diagonal side's
             # basis is the identity); the other layers have no explicit basis.
-            Config(f, "eigen", curvature="mix_b", correction="adam", relative=True, ddp=i % 2 == 1),
+            Config(
+                f, "eigen", curvature="mix_b", correction="ekfac", relative=True, ddp=i % 2 == 1
+            ),
         ]
     return grid + extra + mixed
 
