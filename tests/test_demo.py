@@ -566,6 +566,8 @@ def _corrupt(d: Path) -> Path:
             lambda d, t: ["--data-dir", str(d), "--nproc", "4", "--grad-worker-fraction", "0.75"],
             "gradient workers",
         ),
+        (lambda d, t: ["--data-dir", str(d), "--curvature", "dense"], "'exact', 'lowrank:K'"),
+        (lambda d, t: ["--data-dir", str(d), "--eigenvalue-correction", "on"], "'ekfac'"),
         (lambda d, t: ["--data-dir", str(d), "--no-such-option"], "unrecognized"),
     ],
 )
@@ -631,6 +633,26 @@ def test_config_round_trip_with_every_arm() -> None:
     assert suite.workloads[1].out_dir == os.path.join("unused", "resnet20")
     again = SuiteConfig.from_json(json.loads(json.dumps(suite.to_json())))
     assert again == suite
+
+
+def test_curvature_and_the_eigenvalue_correction_reach_both_kaisa_arms() -> None:
+    suite = _suite(
+        "--workload", "gpt", "--arms", "adamw,kaisa-sgd,kaisa-adamw", "--curvature", "Exact",
+        "--eigenvalue-correction", "ekfac", "--factor-update-steps", "5",
+    )  # fmt: skip
+    for arm in suite.workloads[0].arms:
+        if arm.name == "adamw":
+            assert arm.kfac is None
+            continue
+        assert arm.kfac is not None
+        assert arm.kfac.overrides() == {
+            "factor_update_steps": 5,
+            "curvature": "exact",
+            "eigenvalue_correction": "ekfac",
+        }
+    assert _suite("--curvature", "lowrank:16").workloads[0].arms[4].kfac.overrides() == {
+        "curvature": "lowrank:16"
+    }
 
 
 def test_kaisa_arms_pass_nothing_but_the_lr_by_default() -> None:

@@ -29,7 +29,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from kaisa.choices import CONV_ESTIMATORS, DAMPING_MODES, FACTOR_INITS, NAMED_FRACTIONS
+from kaisa.choices import (
+    CONV_ESTIMATORS,
+    DAMPING_MODES,
+    EIGEN_CORRECTIONS,
+    FACTOR_INITS,
+    NAMED_FRACTIONS,
+)
 from kaisa.demo.config import (
     ADAMW_WEIGHT_DECAY,
     ARM_NAMES,
@@ -202,6 +208,20 @@ def _gwf(text: str) -> float | str:
     return _unit_or_named(text)
 
 
+def _curvature(text: str) -> str:
+    """'auto', or one representation for every side ('exact', 'lowrank:K', 'kvec', 'diagonal')."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    from kaisa.curvature.costs import SideSpec
+
+    try:
+        return str(SideSpec.parse(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be 'auto', 'exact', 'lowrank:K' (K >= 1), 'kvec' or 'diagonal'; got {text!r}"
+        ) from None
+
+
 def _kl_clip(text: str) -> float | str:
     if text.lower() in ("none", "off", "0"):
         return "off"
@@ -285,7 +305,7 @@ def _library_default(name: str) -> str:
         return shown
     if default is None:
         return f"{shown}, chosen automatically"
-    return f"{shown}, {default}"
+    return f"{shown}, {_show(default)}"
 
 
 def _dest(flag: str) -> str:
@@ -316,11 +336,21 @@ _KFAC_OPTIONS: _Options = {
     "--calibrate-budget": (
         "'off': the curvature choice from the cost model alone (the same on every "
         "machine); 'on': re-chosen after 10 steps from the measured iteration",
-        {"type": _on_off, "metavar": "{on,off}", "default_text": "the library's, on"},
+        {"type": _on_off, "metavar": "{on,off}"},
     ),
     "--grad-worker-fraction": (
         "KAISA gradient-worker fraction with --nproc (1: COMM-OPT, 1/N: MEM-OPT)",
         {"type": _gwf},
+    ),
+    "--curvature": (
+        "every layer's sides held as 'auto' (chosen to fit the time budget), 'exact', "
+        "'lowrank:K', 'kvec' or 'diagonal'",
+        {"type": _curvature},
+    ),
+    "--eigenvalue-correction": (
+        "divide the rotated gradient by its measured second moments ('ekfac': EKFAC's "
+        "solve at the factors' scale; 'adam': their square root) or not ('off')",
+        {"choices": EIGEN_CORRECTIONS},
     ),
 }
 """The overrides of ``kaisa.KFACPreconditioner``'s defaults, one per field of

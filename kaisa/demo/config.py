@@ -322,6 +322,8 @@ class KfacConfig:
     damping_mode: str | None = None
     factor_init: str | None = None
     calibrate_budget: bool | None = None
+    curvature: str | None = None
+    eigenvalue_correction: str | None = None
 
     def overrides(self) -> dict[str, Any]:
         """Keyword arguments for ``KFACPreconditioner``: the fields that are set."""
