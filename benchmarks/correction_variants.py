@@ -25,6 +25,14 @@ the change (``variant``).
     gradients do). Needs ``--kfac '{"curvature": "exact",
     "eigenvalue_correction": "adam", ...}'``.
 
+``--block-size B``
+    every exact side wider than ``B`` (eigen method) is decomposed block by
+    block: the factor's diagonal blocks of at most ``B`` rows (equal splits)
+    are decomposed alone and ``Q`` is block-diagonal, as blocked Shampoo
+    does, which would make the decomposition and the per-step rotations
+    cheaper for wide sides. Here ``Q`` is still stored and applied dense, so
+    only the steps are measured, not the time.
+
 Every other argument is ``steps_probe.py``'s::
 
     python benchmarks/correction_variants.py --power 0.5 --workload gpt \\
@@ -36,6 +44,7 @@ Every other argument is ``steps_probe.py``'s::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 from pathlib import Path
@@ -46,6 +55,7 @@ import torch
 
 import kaisa
 import kaisa.curvature.block as block
+import kaisa.curvature.representations as rep
 
 
 def use_power(power: float) -> None:
@@ -67,6 +77,27 @@ def use_power(power: float) -> None:
 
     block.precondition_eigen = precondition_eigen  # type: ignore[assignment]
     block.eigen_outer_inverse = scaled  # type: ignore[assignment]
+
+
+def use_blocks(size: int) -> None:
+    """Exact sides wider than ``size`` decomposed in diagonal blocks (block-diagonal ``Q``)."""
+    compute = rep.ExactSide._compute_state
+
+    def blocked(self: Any, damping: float) -> list[torch.Tensor]:
+        if self.method != "eigen" or self.size <= size:
+            return compute(self, damping)
+        n, factor = self.size, self.factor
+        q = torch.zeros(n, n, dtype=self.inv_dtype, device=factor.device)
+        values = torch.empty(n, dtype=self.inv_dtype, device=factor.device)
+        parts = -(-n // size)
+        edges = [round(k * n / parts) for k in range(parts + 1)]
+        for lo, hi in itertools.pairwise(edges):
+            q[lo:hi, lo:hi], values[lo:hi] = rep.symmetric_eigen(
+                factor[lo:hi, lo:hi], self.inv_dtype
+            )
+        return [q, values]
+
+    rep.ExactSide._compute_state = blocked  # type: ignore[method-assign]
 
 
 def correct_only(pattern: str) -> None:
@@ -126,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--power", type=float, default=None)
     p.add_argument("--correct-layers", default=None, metavar="REGEX")
     p.add_argument("--diagnose", type=Path, default=None, metavar="FILE")
+    p.add_argument("--block-size", type=int, default=None, metavar="B")
     ours, rest = p.parse_known_args(argv)
     given = {k.replace("_", "-"): v for k, v in vars(ours).items() if v is not None}
     variant = " ".join(f"--{name} {value}" for name, value in given.items())
@@ -133,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < ours.power <= 2:
             p.error(f"--power must be in (0, 2]; got {ours.power}")
         use_power(ours.power)
+    if ours.block_size is not None:
+        if ours.block_size < 1:
+            p.error(f"--block-size must be a positive integer; got {ours.block_size}")
+        use_blocks(ours.block_size)
     if ours.correct_layers is not None:
         correct_only(ours.correct_layers)
     if ours.diagnose is not None:

@@ -31,6 +31,7 @@ from kaisa.curvature.budget import (
     BudgetChoice,
     LayerWork,
     choose_curvature,
+    ladder,
 )
 from kaisa.curvature.costs import DEFAULT_COST_MODEL, CostModel
 from kaisa.options import REFERENCE_DEFAULTS
@@ -188,6 +189,39 @@ def test_a_wide_linear_layer_at_the_default_budget() -> None:
     assert g_spec != "exact"
     assert choice.within_budget is True
     assert choice.share <= 0.1
+
+
+def test_with_a_correction_on_the_ladder_is_exact_then_diagonal() -> None:
+    """The eigenvalue correction reaches exact and diagonal sides only: the choice keeps
+    to them, and with them the wide layer fits the default budget too."""
+    assert [str(s) for s in ladder(3138, corrected=True)] == ["exact", "diagonal"]
+    assert "lowrank:256" in [str(s) for s in ladder(3138)]
+    a, g, rows = 3137 + 1, 128, 128.0
+    for budget in (1e-9, 0.1, 0.5):
+        work = [LayerWork.from_rows("fc", a, g, rows), *layers(*SIZES, rows=rows)]
+        choice = choose_curvature(work, budget, corrected=True)
+        assert all(
+            spec in ("exact", "diagonal") for sides in choice.specs.values() for spec in sides
+        )
+        if budget > 1e-9:
+            assert choice.within_budget
+    plain = choose_curvature([LayerWork.from_rows("fc", a, g, rows)], 0.1)
+    assert set(plain.specs["fc"]) - {"exact", "diagonal"}  # without it, a cheaper rung
+
+
+def test_an_automatic_choice_with_the_correction_on_corrects_every_layer() -> None:
+    model = MLP()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing left uncorrected, nothing to say
+        pre = kaisa.KFACPreconditioner(
+            model, lr=0.1, cost_model=NO_OPERATORS, time_budget=0.15, eigenvalue_correction="ekfac"
+        )
+        run(model, pre, range(2))
+    choice = pre.curvature_choice
+    assert choice is not None and choice.within_budget
+    assert choice == choose_curvature(mlp_work(), 0.15, corrected=True)
+    assert choice != choose_curvature(mlp_work(), 0.15)  # the plain ladder goes elsewhere
+    assert all(layer.corrected for layer in pre.layers)
 
 
 @pytest.mark.parametrize("budget", [-1, 0, float("inf"), float("nan")])

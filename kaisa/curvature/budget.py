@@ -21,7 +21,8 @@ The rule, in full:
 2. While the work per step is over the budget, take the one move that saves
    the most work: move one side down its ladder (exact, then low rank
    ``k`` = 256, 128, …, 8 for the ``k`` at most half the side, then Kronecker
-   vectors, then diagonal) to the nearest rung that saves anything, or
+   vectors, then diagonal; with an eigenvalue correction on, exact then
+   diagonal, the two it reaches) to the nearest rung that saves anything, or
    double the factor interval (up to
    :data:`MAX_FACTOR_STEPS`), or double the inverse interval (up to
    :data:`MAX_INV_STEPS`; never below the factor interval). Ties go to the
@@ -269,8 +270,16 @@ class BudgetChoice:
         return "\n".join(lines)
 
 
-def ladder(n: int) -> list[SideSpec]:
-    """A side's representations, most curvature first."""
+def ladder(n: int, corrected: bool = False) -> list[SideSpec]:
+    """A side's representations, most curvature first.
+
+    ``corrected`` (an eigenvalue correction is on): only the representations
+    with an explicit eigenbasis, exact and diagonal, which the correction
+    reaches (:mod:`kaisa.curvature.eigencorrection`); a low-rank or
+    Kronecker-vector side would leave its layer uncorrected.
+    """
+    if corrected:
+        return [SideSpec("exact"), SideSpec("diagonal")]
     rungs = [SideSpec("exact")]
     rungs += [SideSpec("lowrank", k) for k in LOW_RANKS if 2 * k <= n]
     rungs += [SideSpec("kvec"), SideSpec("diagonal")]
@@ -319,8 +328,12 @@ def choose_curvature(
     scale: float = 1.0,
     calibrated: bool = False,
     cost_model: CostModel = DEFAULT_COST_MODEL,
+    corrected: bool = False,
 ) -> BudgetChoice:
     """Apply the rule of the module docstring; ``None`` intervals are free to choose.
+
+    ``corrected``: an eigenvalue correction is on, and the free sides move
+    from exact straight to diagonal (:func:`ladder`).
 
     ``scale`` (from :func:`time_scale`) multiplies the allowance:
     ``time_budget * scale * training work``. ``cost_model`` weighs K-FAC's
@@ -341,7 +354,7 @@ def choose_curvature(
     for layer in layers:
         sides = []
         for fixed, n in ((layer.a_fixed, layer.a_size), (layer.g_fixed, layer.g_size)):
-            sides.append([SideSpec.parse(fixed)] if fixed is not None else ladder(n))
+            sides.append([SideSpec.parse(fixed)] if fixed is not None else ladder(n, corrected))
         ladders.append(sides)
         index.append([0, 0])
     f = factor_update_steps if factor_update_steps is not None else MIN_FACTOR_STEPS
