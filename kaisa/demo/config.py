@@ -235,8 +235,8 @@ WORKLOADS: dict[str, Workload] = {
         "is out of reach in this budget; it passed 2.10 between steps 900 (2.117) and 950 "
         "(2.088), about 62% of the budget, as the image workloads' targets fall at about "
         "two thirds to four fifths of theirs. Fixed before any comparison; provisional until "
-        "a full make demo; LRs swept for AdamW, SOAP and kaisa-adamw (seed 0, 2026-11-25), "
-        "not for SGD, kaisa-sgd and Muon",
+        "a full make demo; LRs swept for AdamW, SOAP and kaisa-adamw (seed 0, 2026-11-25) "
+        "and Muon (2026-11-28), not for SGD and kaisa-sgd",
         metric="val_loss",
         dataset="fortunes",
         batch_size=16,
