@@ -236,7 +236,7 @@ WORKLOADS: dict[str, Workload] = {
         "(2.088), about 62% of the budget, as the image workloads' targets fall at about "
         "two thirds to four fifths of theirs. Fixed before any comparison; provisional until "
         "a full make demo; LRs swept for AdamW, SOAP and kaisa-adamw (seed 0, 2026-11-25) "
-        "and Muon (2026-11-28), not for SGD and kaisa-sgd",
+        "and Muon, SGD and kaisa-sgd (2026-11-28; neither SGD arm reaches the target)",
         metric="val_loss",
         dataset="fortunes",
         batch_size=16,
