@@ -44,7 +44,7 @@ clean:
 # at its workload's target. Per workload OUT/<workload>/{results.json,
 # evaluations.csv,accuracy.png}; over workloads OUT/summary.{json,md}.
 #
-#   make demo                        # the suite: about 40 minutes on 2 cores (the knobs: the
+#   make demo                        # the suite: about 70 minutes on 2 cores (the knobs: the
 #                                    # epoch budgets in kaisa/demo/config.py WORKLOADS, --seeds,
 #                                    # --arms)
 #   make demo-quick                  # gap_cnn, 1 epoch, sgd/adamw/muon/kaisa-sgd, one seed,
