@@ -240,6 +240,19 @@ def parse_key_values(items: Iterable[str], option: str = "--extra") -> dict[str,
     return result
 
 
+def kfac_json(text: str) -> Any:
+    """``KFACPreconditioner`` keyword arguments from JSON; a ``"torch.NAME"`` string
+    value becomes that torch attribute (``{"rotation_dtype": "torch.bfloat16"}``)."""
+    value = json.loads(text)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(item, str) and item.startswith("torch.") and item[6:].isidentifier():
+                import torch
+
+                value[key] = getattr(torch, item[6:])
+    return value
+
+
 # --------------------------------------------------------------------------- children
 
 

@@ -27,13 +27,12 @@ before and after. Nothing is asserted. ::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any
 
 import torch
-from common import LoadRecord, format_table, machine_info, set_threads, write_json
+from common import LoadRecord, format_table, kfac_json, machine_info, set_threads, write_json
 
 import kaisa
 from kaisa.demo.config import WORKLOAD_FALLBACK_LRS, WORKLOADS, make_arm
@@ -100,7 +99,7 @@ def main() -> None:
         )
     for entry in args.kaisa:
         name, _, text = entry.partition("=")
-        specs.append((name, "adamw", json.loads(text)))
+        specs.append((name, "adamw", kfac_json(text)))
     arms = [Arm(name, base, kfac, context) for name, base, kfac in specs]
     generator = torch.Generator().manual_seed(0)
 

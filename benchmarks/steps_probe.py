@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import kfac_json
 
 import kaisa
 from kaisa.demo import train as demo_train
@@ -69,7 +70,12 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
     p.add_argument("--arm", required=True, choices=ARM_NAMES)
     p.add_argument("--lr", type=float, help="peak LR (default: the demo's for the workload/arm)")
     p.add_argument("--seeds", default="0")
-    p.add_argument("--kfac", default="{}", help="JSON keyword arguments for KFACPreconditioner")
+    p.add_argument(
+        "--kfac",
+        default="{}",
+        help="JSON keyword arguments for KFACPreconditioner "
+        '("torch.NAME" strings become torch attributes: "torch.bfloat16")',
+    )
     p.add_argument("--early-refresh", default=None, metavar="F,I")
     p.add_argument(
         "--max-steps", type=int, default=None, help="end each run after N steps (same schedule)"
@@ -79,7 +85,7 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
     p.add_argument("--text-dir", default=None, help="the fortunes corpus (gpt)")
     p.add_argument("--out", type=Path, default=Path("runs/steps_probe.jsonl"))
     args = p.parse_args(argv)
-    extra: dict[str, Any] = json.loads(args.kfac)
+    extra: dict[str, Any] = kfac_json(args.kfac)
     if not isinstance(extra, dict):
         p.error("--kfac must be a JSON object")
     if args.arm not in KAISA_ARMS and (extra or args.early_refresh):
