@@ -242,7 +242,7 @@ def parse_key_values(items: Iterable[str], option: str = "--extra") -> dict[str,
 
 def kfac_json(text: str) -> Any:
     """``KFACPreconditioner`` keyword arguments from JSON; a ``"torch.NAME"`` string
-    value becomes that torch attribute (``{"rotation_dtype": "torch.bfloat16"}``)."""
+    value becomes that torch attribute (``{"factor_product_dtype": "torch.bfloat16"}``)."""
     value = json.loads(text)
     if isinstance(value, dict):
         for key, item in value.items():

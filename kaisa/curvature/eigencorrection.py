@@ -121,13 +121,16 @@ def corrected_solve(
     correction: EigenCorrection,
     relative: bool,
     kron_mean: torch.Tensor | float = 1.0,
+    *,
+    rotated: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``P = Q_G [(Q_Gᵀ ∇ Q_A) ⊘ D] Q_Aᵀ`` for a ``(g, a)`` gradient, ``D`` = :func:`divisor`.
 
     ``None`` for a basis: the identity (a diagonal side). Computed in the
     bases' dtype (``S``'s when both are ``None``), returned in ``grad``'s.
+    ``rotated``: ``Q_Gᵀ ∇ Q_A`` already computed (:func:`rotate_in`; divided in place).
     """
-    v = rotate_in(grad, qa, qg, _dtype(qa, qg, scales))
+    v = rotate_in(grad, qa, qg, _dtype(qa, qg, scales)) if rotated is None else rotated
     v.div_(divisor(scales, damping, correction, relative, kron_mean))
     return rotate_out(v, qa, qg).to(grad.dtype)
 
@@ -173,8 +176,9 @@ class EigenScales:
         # host sync: S stays as it was when anything is not finite).
         self.scales.copy_(torch.where(torch.isfinite(folded).all(), folded, self.scales))
         self.updates += 1
-        v.div_(divisor(self.scales, damping, correction, relative, kron_mean))
-        return rotate_out(v, qa, qg).to(grad.dtype)
+        return corrected_solve(
+            grad, qa, qg, self.scales, damping, correction, relative, kron_mean, rotated=v
+        )
 
     def nbytes(self) -> int:
         return self.scales.numel() * self.scales.element_size()
