@@ -1,0 +1,268 @@
+"""What does a larger ``time_budget`` buy on a model whose step is cheap?
+
+Issue 31 (item 2) says the automatic choice caps K-FAC's work at 10% of the
+step "whatever the curvature is worth", so on a cheap-step model (a small
+MLP) it keeps little curvature, while spending more per step to save steps
+might win. This measures it on such a model: a 784-256-256-10 ReLU MLP on
+Fashion-MNIST (batch 128, SGD with momentum 0.9, weight decay 5e-4, constant
+learning rate), trained to ``--target`` test accuracy (the full 10 000 test
+images, evaluated every ``--eval-every`` steps, off the clock), by
+
+- ``sgd``: SGD alone,
+- ``budget-B``: SGD + kaisa with ``time_budget=B`` and every other option at
+  its default (``--budgets``; 0.1 is the default),
+- ``exact-F/I``: SGD + kaisa with every side exact and factors every ``F``,
+  inverses every ``I`` steps (``--exact``; fixed, no budget),
+- ``first-input-side``: SGD + kaisa with only the first layer's input side
+  held in rank 64 and every other side diagonal, factors every 10, inverses
+  every 20 steps (:data:`FIRST_INPUT_SIDE`; chosen by hand after the first
+  run showed which side buys the steps: an illustration of what a choice
+  judged by value would keep, not a default),
+
+each at every learning rate of its list, all of a seed's (arm, learning
+rate) runs in lockstep (one step of each in turn, so the machine's load
+falls on all alike). Per arm and seed the best learning rate is the one with
+the least time to target (ties: fewer steps); reported per arm: the median
+over seeds of its best steps, ms per step and time to target, and of its
+time over SGD's in the same seed. Nothing is asserted. ::
+
+    python benchmarks/budget_value.py --threads 2 --seeds 0,1,2 \\
+        --json benchmarks/results/budget_value.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import LoadRecord, format_table, machine_info, set_threads, write_json
+
+import kaisa
+from kaisa.demo.data import DEFAULT_DATA_DIR, load_fashion_mnist
+
+SGD_LRS = (0.01, 0.02, 0.05, 0.1)
+KAISA_LRS = (0.05, 0.1, 0.2, 0.4)
+#: The one side that buys the steps on this model, found by hand (benchmarks/README.md):
+#: the first layer's input side (784 pixels) in rank 64, every other side diagonal.
+FIRST_INPUT_SIDE = {
+    "curvature": {"^0$": ["lowrank:64", "diagonal"], ".*": "diagonal"},
+    "factor_update_steps": 10,
+    "inv_update_steps": 20,
+}
+
+
+@dataclasses.dataclass
+class Run:
+    """One (arm, learning rate) of a seed, trained step by step in lockstep."""
+
+    arm: str
+    lr: float
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    preconditioner: kaisa.KFACPreconditioner | None
+    generator: torch.Generator
+    seconds: float = 0.0
+    steps: int = 0
+    hit: int | None = None
+    last_accuracy: float = 0.0
+
+    def result(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "arm": self.arm,
+            "lr": self.lr,
+            "steps": self.hit,
+            "ran": self.steps,
+            "ms_per_step": 1000 * self.seconds / max(self.steps, 1),
+            "time": None if self.hit is None else self.seconds,
+            "last_accuracy": self.last_accuracy,
+        }
+        choice = self.preconditioner.curvature_choice if self.preconditioner else None
+        if choice is not None:
+            out["specs"] = {k: list(v) for k, v in choice.specs.items()}
+            out["intervals"] = [choice.factor_update_steps, choice.inv_update_steps]
+            out["time_scale"] = choice.time_scale
+        return out
+
+
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(784, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 10),
+    )
+
+
+def _make_run(arm: str, lr: float, seed: int, kfac: dict[str, Any] | None) -> Run:
+    torch.manual_seed(seed)  # the same initial weights for every arm of a seed
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
+    pre = None if kfac is None else kaisa.KFACPreconditioner(model, optimizer=optimizer, **kfac)
+    # The same batches for every arm of a seed.
+    return Run(arm, lr, model, optimizer, pre, torch.Generator().manual_seed(seed))
+
+
+def _arms(
+    budgets: list[float], exact: list[tuple[int, int]], first_side: bool
+) -> list[tuple[str, Any]]:
+    arms: list[tuple[str, Any]] = [("sgd", None)]
+    arms += [(f"budget-{b:g}", {"time_budget": b}) for b in budgets]
+    arms += [
+        (
+            f"exact-{f}/{i}",
+            {"curvature": "exact", "factor_update_steps": f, "inv_update_steps": i},
+        )
+        for f, i in exact
+    ]
+    if first_side:
+        arms.append(("first-input-side", FIRST_INPUT_SIDE))
+    return arms
+
+
+def run_seed(args: argparse.Namespace, data: Any, seed: int) -> list[dict[str, Any]]:
+    xtr = data.train_x.reshape(data.train_x.shape[0], -1)
+    xte = data.test_x.reshape(data.test_x.shape[0], -1)
+    runs = [
+        _make_run(name, lr, seed, kfac)
+        for name, kfac in _arms(args.budgets, args.exact, args.first_input_side)
+        for lr in (SGD_LRS if kfac is None else KAISA_LRS)
+    ]
+    for step in range(1, args.max_steps + 1):
+        live = [r for r in runs if r.hit is None]
+        if not live:
+            break
+        for r in live:
+            idx = torch.randint(0, xtr.shape[0], (args.batch_size,), generator=r.generator)
+            x, y = xtr[idx], data.train_y[idx]
+            start = time.perf_counter()
+            r.optimizer.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(r.model(x), y).backward()
+            if r.preconditioner is not None:
+                r.preconditioner.step()
+            r.optimizer.step()
+            r.seconds += time.perf_counter() - start
+            r.steps = step
+            if step % args.eval_every == 0:
+                with torch.no_grad():
+                    pred = r.model(xte).argmax(1)
+                r.last_accuracy = (pred == data.test_y).float().mean().item()
+                if r.last_accuracy >= args.target:
+                    r.hit = step
+    return [dict(seed=seed, **r.result()) for r in runs]
+
+
+def _best(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    reached = [r for r in rows if r["time"] is not None]
+    return min(reached, key=lambda r: (r["time"], r["steps"])) if reached else None
+
+
+def _floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v]
+
+
+def _intervals(text: str) -> list[tuple[int, int]]:
+    pairs = []
+    for item in text.split(","):
+        f, _, i = item.partition("/")
+        pairs.append((int(f), int(i)))
+    return pairs
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--budgets", type=_floats, default=[0.1, 0.3, 1.0, 3.0])
+    p.add_argument("--exact", type=_intervals, default=[(10, 20)], help="F/I,F/I,...")
+    p.add_argument(
+        "--no-first-input-side",
+        dest="first_input_side",
+        action="store_false",
+        help="leave out the hand-picked arm (FIRST_INPUT_SIDE)",
+    )
+    p.add_argument("--target", type=float, default=0.86)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--max-steps", type=int, default=3000)
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = p.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    set_threads(args.threads)
+    data = load_fashion_mnist(args.data_dir)
+
+    rows: list[dict[str, Any]] = []
+    with LoadRecord() as load:
+        for seed in seeds:
+            seed_rows = run_seed(args, data, seed)
+            rows += seed_rows
+            print(f"seed {seed} done ({len(seed_rows)} runs)", flush=True)
+
+    names = [name for name, _ in _arms(args.budgets, args.exact, args.first_input_side)]
+    best = {
+        (n, s): _best([r for r in rows if r["arm"] == n and r["seed"] == s])
+        for n in names
+        for s in seeds
+    }
+    table, summary = [], {}
+    for n in names:
+        bests = [best[n, s] for s in seeds]
+        got = [b for b in bests if b is not None]
+        ratios = [
+            b["time"] / sgd["time"]
+            for b, sgd in ((best[n, s], best["sgd", s]) for s in seeds)
+            if b is not None and sgd is not None
+        ]
+        summary[n] = {
+            "reached": f"{len(got)}/{len(seeds)}",
+            "best_lrs": [None if b is None else b["lr"] for b in bests],
+            "steps": [None if b is None else b["steps"] for b in bests],
+            "median_steps": statistics.median(b["steps"] for b in got) if got else None,
+            "median_ms_per_step": statistics.median(b["ms_per_step"] for b in got) if got else None,
+            "median_time": statistics.median(b["time"] for b in got) if got else None,
+            "median_time_over_sgd": statistics.median(ratios) if ratios else None,
+        }
+        s = summary[n]
+        table.append(
+            [
+                n,
+                s["reached"],
+                "/".join("-" if v is None else f"{v:g}" for v in s["best_lrs"]),
+                "/".join("-" if v is None else str(v) for v in s["steps"]),
+                "-" if s["median_steps"] is None else f"{s['median_steps']:g}",
+                "-" if got == [] else f"{s['median_ms_per_step']:.2f}",
+                "-" if got == [] else f"{s['median_time']:.2f}",
+                "-" if not ratios else f"{s['median_time_over_sgd']:.2f}",
+            ]
+        )
+    print(
+        f"\nMLP 784-256-256-10 on Fashion-MNIST to {args.target:.0%} test accuracy, "
+        f"{args.threads} thread(s), seeds {args.seeds}, lockstep, {load.describe()}:"
+    )
+    print(
+        format_table(
+            ["arm", "reached", "best lr", "steps", "median steps", "ms/step", "time s", "time/SGD"],
+            table,
+        )
+    )
+    result = {
+        "benchmark": "budget_value",
+        "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "runs": rows,
+        "summary": summary,
+        "load": load.as_dict(),
+        "machine": machine_info(),
+    }
+    if args.json:
+        write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""``benchmarks/budget_value.py``: what a larger time budget buys on a cheap-step MLP."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from kaisa.demo.data import FashionMNIST
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    path = ROOT / "benchmarks" / "budget_value.py"
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("budget_value_under_test", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclass looks its module up by name
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
+def _data() -> FashionMNIST:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 1, 28, 28, generator=g)
+    y = torch.randint(0, 10, (256,), generator=g)
+    return FashionMNIST(x, y, x[:64], y[:64], "synthetic")
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    base = dict(budgets=[0.1, 3.0], exact=[(2, 4)], first_input_side=True, target=0.0,
+                batch_size=16, max_steps=6, eval_every=2)  # fmt: skip
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.timeout(120)
+def test_every_arm_and_rate_runs_and_a_larger_budget_keeps_more_curvature(
+    bench: ModuleType,
+) -> None:
+    rows = bench.run_seed(_args(), _data(), seed=0)
+    names = ["sgd", "budget-0.1", "budget-3", "exact-2/4", "first-input-side"]
+    expected = [(n, lr) for n in names for lr in (bench.SGD_LRS if n == "sgd" else bench.KAISA_LRS)]
+    assert [(r["arm"], r["lr"]) for r in rows] == expected
+    for r in rows:
+        # A target of 0 is reached at the first evaluation.
+        assert r["steps"] == 2 and r["ran"] == 2 and r["time"] > 0 and r["ms_per_step"] > 0
+    by_arm = {r["arm"]: r for r in rows}
+    assert "specs" not in by_arm["sgd"] and "specs" not in by_arm["exact-2/4"]
+
+    def exact_sides(specs: dict[str, list[str]]) -> int:
+        return sum(side == "exact" for pair in specs.values() for side in pair)
+
+    small, large = by_arm["budget-0.1"], by_arm["budget-3"]
+    assert exact_sides(large["specs"]) > exact_sides(small["specs"])
+
+
+@pytest.mark.timeout(120)
+def test_a_target_not_reached_has_no_time_and_is_never_best(bench: ModuleType) -> None:
+    rows = bench.run_seed(
+        _args(budgets=[], exact=[], first_input_side=False, target=1.01, max_steps=2),
+        _data(),
+        seed=1,
+    )
+    assert [r["arm"] for r in rows] == ["sgd"] * len(bench.SGD_LRS)
+    assert all(r["steps"] is None and r["time"] is None and r["ran"] == 2 for r in rows)
+    assert bench._best(rows) is None
+    reached = dict(rows[0], steps=4, time=2.0)
+    faster = dict(rows[1], steps=6, time=1.0)
+    assert bench._best([*rows, reached, faster]) is faster
+
+
+def test_interval_and_budget_lists_parse(bench: ModuleType) -> None:
+    assert bench._intervals("10/20,5/10") == [(10, 20), (5, 10)]
+    assert bench._floats("0.1,3") == [0.1, 3.0]
