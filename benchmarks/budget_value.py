@@ -168,7 +168,7 @@ def _floats(text: str) -> list[float]:
 
 def _intervals(text: str) -> list[tuple[int, int]]:
     pairs = []
-    for item in text.split(","):
+    for item in filter(None, text.split(",")):
         f, _, i = item.partition("/")
         pairs.append((int(f), int(i)))
     return pairs

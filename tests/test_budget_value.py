@@ -83,4 +83,5 @@ def test_a_target_not_reached_has_no_time_and_is_never_best(bench: ModuleType) -
 
 def test_interval_and_budget_lists_parse(bench: ModuleType) -> None:
     assert bench._intervals("10/20,5/10") == [(10, 20), (5, 10)]
+    assert bench._intervals("") == [] and bench._floats("") == []
     assert bench._floats("0.1,3") == [0.1, 3.0]
