@@ -18,6 +18,11 @@ images, evaluated every ``--eval-every`` steps, off the clock), by
   every 20 steps (:data:`FIRST_INPUT_SIDE`; chosen by hand after the first
   run showed which side buys the steps: an illustration of what a choice
   judged by value would keep, not a default),
+- with ``--per-side``, ``all-diagonal`` (every side diagonal) and, for each
+  layer and side, ``only-<layer><A|G>``: that side exact and every other
+  diagonal (both at 10/20): what each side buys in steps on its own,
+  and with ``--side-gains`` a candidate measure of it computed from the
+  factors (:func:`side_gains`),
 
 each at every learning rate of its list, all of a seed's (arm, learning
 rate) runs in lockstep (one step of each in turn, so the machine's load
@@ -49,6 +54,8 @@ SGD_LRS = (0.01, 0.02, 0.05, 0.1)
 KAISA_LRS = (0.05, 0.1, 0.2, 0.4)
 #: The one side that buys the steps on this model, found by hand (benchmarks/README.md):
 #: the first layer's input side (784 pixels) in rank 64, every other side diagonal.
+#: The MLP's registered layers, as kaisa names them (indices in the Sequential).
+LAYERS = ("0", "2", "4")
 FIRST_INPUT_SIDE = {
     "curvature": {"^0$": ["lowrank:64", "diagonal"], ".*": "diagonal"},
     "factor_update_steps": 10,
@@ -108,21 +115,112 @@ def _make_run(arm: str, lr: float, seed: int, kfac: dict[str, Any] | None) -> Ru
     return Run(arm, lr, model, optimizer, pre, torch.Generator().manual_seed(seed))
 
 
-def _arms(
-    budgets: list[float], exact: list[tuple[int, int]], first_side: bool
-) -> list[tuple[str, Any]]:
+def _one_side(layer: str, side: str) -> dict[str, Any]:
+    """Every side diagonal but ``side`` ('A' or 'G') of ``layer``, exact; 10/20."""
+    pair = ["exact", "diagonal"] if side == "A" else ["diagonal", "exact"]
+    return {
+        "curvature": {f"^{layer}$": pair, ".*": "diagonal"},
+        "factor_update_steps": 10,
+        "inv_update_steps": 20,
+    }
+
+
+def _arms(args: argparse.Namespace) -> list[tuple[str, Any]]:
     arms: list[tuple[str, Any]] = [("sgd", None)]
-    arms += [(f"budget-{b:g}", {"time_budget": b}) for b in budgets]
+    arms += [(f"budget-{b:g}", {"time_budget": b}) for b in args.budgets]
     arms += [
         (
             f"exact-{f}/{i}",
             {"curvature": "exact", "factor_update_steps": f, "inv_update_steps": i},
         )
-        for f, i in exact
+        for f, i in args.exact
     ]
-    if first_side:
+    if args.first_input_side:
         arms.append(("first-input-side", FIRST_INPUT_SIDE))
+    if args.per_side:
+        all_diagonal = {"curvature": "diagonal", "factor_update_steps": 10, "inv_update_steps": 20}
+        arms.append(("all-diagonal", all_diagonal))
+        arms += [(f"only-{la}{side}", _one_side(la, side)) for la in LAYERS for side in "AG"]
     return arms
+
+
+def _relative(factor: torch.Tensor) -> torch.Tensor:
+    return factor / (factor.trace() / factor.shape[0])
+
+
+def _held(factor: torch.Tensor, kind: str, damping: float) -> torch.Tensor:
+    eye = torch.eye(factor.shape[0], dtype=factor.dtype)
+    return factor + damping * eye if kind == "exact" else torch.diag(factor.diagonal() + damping)
+
+
+def _one_step_reduction(
+    a: torch.Tensor, g: torch.Tensor, grad: torch.Tensor, kinds: tuple[str, str], damping: float
+) -> float:
+    """The loss reduction ``(∇·d)² / (2 dᵀ C d)`` of ``d`` at its best scale under ``C = G ⊗ A``.
+
+    ``d`` is the gradient solved with ``A`` and ``G`` held as ``kinds``
+    (``'exact'`` or ``'diagonal'``); ``C`` is the exact (damped) Kronecker
+    curvature. Float64, each factor divided by its mean eigenvalue.
+    """
+    a, g = _relative(a), _relative(g)
+    held_a, held_g = (_held(f, k, damping) for f, k in zip((a, g), kinds, strict=True))
+    d = torch.linalg.solve(held_g, torch.linalg.solve(held_a, grad.t()).t())
+    curved = _held(g, "exact", damping) @ d @ _held(a, "exact", damping)
+    return float((grad * d).sum() ** 2 / (2 * (d * curved).sum()))
+
+
+def side_gains(
+    data: Any, seed: int, steps: int = 300, damping: float = 0.1, batch_size: int = 128
+) -> dict[str, float]:
+    """Per side, the one-step reduction with that side exact over that with both diagonal.
+
+    SGD (lr 0.05, momentum 0.9) trains the MLP for ``steps`` steps on the
+    seed's batches while each layer's factors are averaged (decay 0.95,
+    float64: ``A`` of the inputs with a bias column, ``G`` of the output
+    gradients per example); the last batch's gradient is then solved each
+    way (:func:`_one_step_reduction`). A candidate for what a side buys,
+    computed from the factors and one gradient, to set against the steps the
+    ``only-`` arms take.
+    """
+    torch.manual_seed(seed)
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    layers = {name: model[int(name)] for name in LAYERS}
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def capture(name: str) -> Any:
+        def hook(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> None:
+            ones = torch.ones(inputs[0].shape[0], 1)
+            row = torch.cat([inputs[0].detach(), ones], 1).double()
+            output.register_hook(lambda grad: seen.__setitem__(name, (row, grad.double())))
+
+        return hook
+
+    for name, layer in layers.items():
+        layer.register_forward_hook(capture(name))
+    factors: dict[tuple[str, str], torch.Tensor] = {}
+    xtr = data.train_x.reshape(data.train_x.shape[0], -1)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        idx = torch.randint(0, xtr.shape[0], (batch_size,), generator=generator)
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(xtr[idx]), data.train_y[idx]).backward()
+        for name, (row, out) in seen.items():
+            out = out * row.shape[0]  # per example (the loss is a batch mean)
+            for side, m in (("A", row), ("G", out)):
+                new = m.t() @ m / m.shape[0]
+                old = factors.get((name, side))
+                factors[name, side] = new if old is None else 0.95 * old + 0.05 * new
+        optimizer.step()
+    gains = {}
+    for name, layer in layers.items():
+        assert layer.weight.grad is not None and layer.bias.grad is not None
+        grad = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], 1).double()
+        a, g = factors[name, "A"], factors[name, "G"]
+        both = _one_step_reduction(a, g, grad, ("diagonal", "diagonal"), damping)
+        for side, kinds in (("A", ("exact", "diagonal")), ("G", ("diagonal", "exact"))):
+            gains[f"{name}{side}"] = _one_step_reduction(a, g, grad, kinds, damping) / both
+    return gains
 
 
 def run_seed(args: argparse.Namespace, data: Any, seed: int) -> list[dict[str, Any]]:
@@ -130,7 +228,7 @@ def run_seed(args: argparse.Namespace, data: Any, seed: int) -> list[dict[str, A
     xte = data.test_x.reshape(data.test_x.shape[0], -1)
     runs = [
         _make_run(name, lr, seed, kfac)
-        for name, kfac in _arms(args.budgets, args.exact, args.first_input_side)
+        for name, kfac in _arms(args)
         for lr in (SGD_LRS if kfac is None else KAISA_LRS)
     ]
     for step in range(1, args.max_steps + 1):
@@ -186,6 +284,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_false",
         help="leave out the hand-picked arm (FIRST_INPUT_SIDE)",
     )
+    p.add_argument(
+        "--per-side",
+        action="store_true",
+        help="add 'all-diagonal' and, per layer and side, 'only-<layer><A|G>': that side "
+        "exact, every other diagonal (10/20): what each side buys in steps",
+    )
+    p.add_argument(
+        "--side-gains",
+        action="store_true",
+        help="also print side_gains() per seed (a candidate measure of what each side buys)",
+    )
     p.add_argument("--target", type=float, default=0.86)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--max-steps", type=int, default=3000)
@@ -204,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows += seed_rows
             print(f"seed {seed} done ({len(seed_rows)} runs)", flush=True)
 
-    names = [name for name, _ in _arms(args.budgets, args.exact, args.first_input_side)]
+    names = [name for name, _ in _arms(args)]
     best = {
         (n, s): _best([r for r in rows if r["arm"] == n and r["seed"] == s])
         for n in names
@@ -251,8 +360,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             table,
         )
     )
+    gains = {}
+    if args.side_gains:
+        gains = {seed: side_gains(data, seed) for seed in seeds}
+        print("\nOne-step reduction with the side exact over both diagonal (side_gains):")
+        print(
+            format_table(
+                ["side", *(f"seed {s}" for s in seeds)],
+                [[k, *(f"{gains[s][k]:.1f}" for s in seeds)] for k in gains[seeds[0]]],
+            )
+        )
     result = {
         "benchmark": "budget_value",
+        "side_gains": gains,
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
         "runs": rows,
         "summary": summary,

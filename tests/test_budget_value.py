@@ -39,8 +39,8 @@ def _data() -> FashionMNIST:
 
 
 def _args(**kw: object) -> argparse.Namespace:
-    base = dict(budgets=[0.1, 3.0], exact=[(2, 4)], first_input_side=True, target=0.0,
-                batch_size=16, max_steps=6, eval_every=2)  # fmt: skip
+    base = dict(budgets=[0.1, 3.0], exact=[(2, 4)], first_input_side=True, per_side=False,
+                target=0.0, batch_size=16, max_steps=6, eval_every=2)  # fmt: skip
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -81,7 +81,75 @@ def test_a_target_not_reached_has_no_time_and_is_never_best(bench: ModuleType) -
     assert bench._best([*rows, reached, faster]) is faster
 
 
+@pytest.mark.timeout(120)
+def test_per_side_arms_hold_one_side_exact_and_every_other_diagonal(bench: ModuleType) -> None:
+    args = _args(budgets=[], exact=[], first_input_side=False, per_side=True, max_steps=2)
+    names = [name for name, _ in bench._arms(args)]
+    assert names == ["sgd", "all-diagonal", "only-0A", "only-0G", "only-2A", "only-2G",
+                     "only-4A", "only-4G"]  # fmt: skip
+    rows = bench.run_seed(args, _data(), seed=0)
+    assert {r["arm"] for r in rows} == set(names) and all(r["steps"] == 2 for r in rows)
+    # What kaisa holds, read from the preconditioner: one exact side per arm.
+    for name, kfac in bench._arms(args)[2:]:
+        run = bench._make_run(name, 0.1, 0, kfac)
+        model = run.model
+        x = torch.randn(8, 784)
+        torch.nn.functional.cross_entropy(model(x), torch.zeros(8, dtype=torch.long)).backward()
+        run.preconditioner.step()
+        layer, side = name[len("only-") :][:-1], name[-1]
+        held = {
+            (view.name, s): kind
+            for view in run.preconditioner.layers
+            for s, kind in zip("AG", view.curvature, strict=True)
+        }
+        assert sorted(held) == [(la, s) for la in bench.LAYERS for s in "AG"]
+        assert [key for key, kind in held.items() if kind == "exact"] == [(layer, side)]
+
+
 def test_interval_and_budget_lists_parse(bench: ModuleType) -> None:
     assert bench._intervals("10/20,5/10") == [(10, 20), (5, 10)]
     assert bench._intervals("") == [] and bench._floats("") == []
     assert bench._floats("0.1,3") == [0.1, 3.0]
+
+
+def _spd(n: int, g: torch.Generator) -> torch.Tensor:
+    m = torch.randn(n, 2 * n, generator=g, dtype=torch.float64)
+    return m @ m.t() / (2 * n)
+
+
+def test_one_step_reduction_matches_the_dense_kronecker_reference(bench: ModuleType) -> None:
+    g = torch.Generator().manual_seed(3)
+    a, gf = _spd(5, g), _spd(4, g)
+    grad = torch.randn(4, 5, generator=g, dtype=torch.float64)
+    damping = 0.1
+    ra, rg = a / (a.trace() / 5), gf / (gf.trace() / 4)
+    curvature = torch.kron(rg + damping * torch.eye(4, dtype=torch.float64),
+                           ra + damping * torch.eye(5, dtype=torch.float64))  # fmt: skip
+    for kinds in [("exact", "exact"), ("diagonal", "diagonal"), ("exact", "diagonal"),
+                  ("diagonal", "exact")]:  # fmt: skip
+        held = [
+            (f + damping * torch.eye(f.shape[0], dtype=torch.float64))
+            if k == "exact"
+            else torch.diag(f.diagonal() + damping)
+            for f, k in zip((rg, ra), reversed(kinds), strict=True)
+        ]
+        d = torch.linalg.solve(torch.kron(*held), grad.flatten())
+        expected = (grad.flatten() @ d) ** 2 / (2 * d @ curvature @ d)
+        got = bench._one_step_reduction(a, gf, grad, kinds, damping)
+        assert got == pytest.approx(float(expected), rel=1e-10)
+    # The exact solve is the best direction under its own curvature.
+    best = bench._one_step_reduction(a, gf, grad, ("exact", "exact"), damping)
+    assert best >= bench._one_step_reduction(a, gf, grad, ("diagonal", "diagonal"), damping)
+    # A diagonal factor held exact changes nothing.
+    diag_a = torch.diag(a.diagonal())
+    both = bench._one_step_reduction(diag_a, gf, grad, ("diagonal", "diagonal"), damping)
+    assert bench._one_step_reduction(diag_a, gf, grad, ("exact", "diagonal"), damping) == (
+        pytest.approx(both, rel=1e-12)
+    )
+
+
+@pytest.mark.timeout(120)
+def test_side_gains_name_every_side(bench: ModuleType) -> None:
+    gains = bench.side_gains(_data(), seed=0, steps=3, batch_size=16)
+    assert sorted(gains) == sorted(f"{la}{s}" for la in bench.LAYERS for s in "AG")
+    assert all(v > 0 and v == v for v in gains.values())
