@@ -20,7 +20,10 @@ budget's learning-rate schedule, so a target reached within N steps is
 reached at the same step as in a full run; ``steps`` is ``null`` when it was
 not reached (``last`` is the metric's value at the last evaluation, the
 stop). Every workload works, the language model (``--workload gpt``, whose
-metric is the validation loss in nats per byte, lower is better) included. ::
+metric is the validation loss in nats per byte, lower is better) included;
+``--tied-head`` builds it with its head tied to the token embedding
+(``kaisa.models.GPT(tied_head=True)``, 636,032 parameters) instead of the
+suite's untied one (the row's ``tied_head`` says so). ::
 
     python benchmarks/steps_probe.py --workload vit --arm kaisa-adamw --lr 0.008 \\
         --seeds 0,1 --kfac '{"time_budget": 1.0}'
@@ -63,6 +66,18 @@ def early_refresh(chosen: int) -> Callable[[int], int]:
     return at
 
 
+def tied_gpt(
+    name: str, image_shape: tuple[int, int, int] | None = None, *, context: int | None = None
+) -> torch.nn.Module:
+    """The demo's byte-level GPT, its head tied to its token embedding."""
+    from kaisa.demo.text import VOCAB_SIZE
+    from kaisa.models import build_model
+
+    if name != "gpt" or context is None:
+        raise ValueError(f"--tied-head builds the gpt workload's model only, not {name!r}")
+    return build_model(name, vocab_size=VOCAB_SIZE, context=context, tied_head=True)
+
+
 def main(argv: list[str] | None = None, variant: str | None = None) -> int:
     """Run the probe; ``variant`` (a caller's in-process change) is recorded in each row."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -83,8 +98,13 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--data-dir", default=None, help="Fashion-MNIST (image workloads)")
     p.add_argument("--text-dir", default=None, help="the fortunes corpus (gpt)")
+    p.add_argument(
+        "--tied-head", action="store_true", help="gpt only: tie the head to the embedding"
+    )
     p.add_argument("--out", type=Path, default=Path("runs/steps_probe.jsonl"))
     args = p.parse_args(argv)
+    if args.tied_head and args.workload != "gpt":
+        p.error(f"--tied-head applies to --workload gpt only, not {args.workload}")
     extra: dict[str, Any] = kfac_json(args.kfac)
     if not isinstance(extra, dict):
         p.error("--kfac must be a JSON object")
@@ -109,6 +129,8 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
         )
 
     demo_train._make_preconditioner = make  # the demo's run, these options
+    if args.tied_head:
+        demo_train.build_demo_model = tied_gpt  # type: ignore[assignment]
     argv_demo = ["--workload", args.workload, "--arms", args.arm,
                  "--threads", str(args.threads), "--no-progress", "--stop-at-target",
                  "--out", "/tmp/steps_probe"]  # fmt: skip
@@ -142,6 +164,8 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
             "last": None if result.final_value is None else round(result.final_value, 4),
             "wall_s": round(time.time() - start, 1),
         }
+        if args.tied_head:
+            row["tied_head"] = True
         if variant is not None:
             row["variant"] = variant
         choice = result.kfac_choice

@@ -58,9 +58,10 @@ import torch
 
 from kaisa.autochoice import FixedSides
 from kaisa.choices import COMPUTE_METHODS, DAMPING_MODES, EIGEN_CORRECTIONS, FACTOR_INITS
-from kaisa.curvature.block import BlockLayout, CheckedBlockState, Factor, check_block_state
+from kaisa.curvature.block import BlockLayout, CheckedBlockState, check_block_state
 from kaisa.curvature.budget import BudgetChoice
 from kaisa.curvature.costs import SideSpec
+from kaisa.curvature.shared import SharedState
 from kaisa.distributed.fraction import FractionChoice, format_bytes
 from kaisa.distributed.plan import WorkPlan
 from kaisa.options import KFACOptions
@@ -103,9 +104,7 @@ _CONVERTIBLE = (
 
 
 #: ``check(saved, where, specs)``: a shared weight's saved second-order state, checked.
-SharedCheck = Callable[
-    [object, str, Mapping[str, tuple[str, str]]], dict[Factor, list[torch.Tensor]]
-]
+SharedCheck = Callable[[object, str, Mapping[str, tuple[str, str]]], SharedState]
 
 
 class StateDictOnly:
@@ -175,7 +174,7 @@ class Restore:
     fraction: FractionChoice | None  # a grad_worker_fraction='auto' choice to adopt
     plan: WorkPlan  # the plan after the load (the adopted choices')
     #: The shared weights' second-order state to load, by owner (with ``second_order``).
-    shared: dict[str, dict[Factor, list[torch.Tensor]]] = field(default_factory=dict)
+    shared: dict[str, SharedState] = field(default_factory=dict)
 
 
 def write_state(
@@ -412,7 +411,7 @@ def read_state(state_dict: object, target: CheckpointTarget) -> Restore:
     recompute = not keep
     blocks: dict[str, CheckedBlockState] = {}
     load_second_order: set[str] = set()
-    shared: dict[str, dict[Factor, list[torch.Tensor]]] = {}
+    shared: dict[str, SharedState] = {}
     for layer in target.layers:
         saved = layers[layer.name]
         saved_shared = None
@@ -449,7 +448,9 @@ def read_state(state_dict: object, target: CheckpointTarget) -> Restore:
         checked = check_block_state(saved, layout, legacy=legacy, second_order=keep and works_here)
         blocks[layer.name] = checked
         if keep and works_here:
-            if checked.second_order is not None and (layer.shared is None or saved_shared):
+            if checked.second_order is not None and (
+                layer.shared is None or saved_shared is not None
+            ):
                 load_second_order.add(layer.name)
                 if saved_shared is not None:
                     shared[layer.name] = saved_shared

@@ -26,7 +26,7 @@ from kaisa.capture import LayerCaptures
 from kaisa.checkpoint import LayerSlot
 from kaisa.curvature.block import CheckedBlockState, Factor, KroneckerBlock
 from kaisa.curvature.costs import SideSpec
-from kaisa.curvature.shared import SharedCurvature, Use
+from kaisa.curvature.shared import SharedCurvature, SharedState, Use
 from kaisa.distributed.comm import PayloadKey
 from kaisa.distributed.plan import WorkPlan
 from kaisa.layers import LayerHandler
@@ -66,6 +66,8 @@ class Layer:
     #: Another use of a shared weight: the owner this layer's captures serve
     #: (it folds its factors, but neither decomposes nor preconditions).
     tied_to: str | None = None
+    #: A shared weight's use (owner or other) whose summed curvature is eigenvalue-corrected.
+    tie_corrected: bool = False
 
     @property
     def active(self) -> bool:
@@ -113,7 +115,7 @@ class Layer:
         checked: CheckedBlockState,
         *,
         second_order: bool,
-        shared: Mapping[Factor, Sequence[torch.Tensor]] | None,
+        shared: SharedState | None,
     ) -> None:
         """Install a checked block state (and a shared weight's, ``None``: the identity's)."""
         self.block.load_checked(checked, second_order=second_order)
@@ -160,12 +162,12 @@ class Layer:
     def correction_gap(self) -> str | None:
         """Why ``eigenvalue_correction`` (when on) leaves this layer out; ``None`` if it does not.
 
-        A low-rank or Kronecker-vector side has no explicit eigenbasis, and a
-        tied weight is solved with its uses' summed curvature
-        (:mod:`kaisa.curvature.shared`), which the correction does not reach.
+        A low-rank or Kronecker-vector side has no explicit eigenbasis. A tied
+        weight is corrected in its summed curvature's eigenbasis
+        (:mod:`kaisa.curvature.shared`), whatever its uses' sides, by the owner.
         """
         if self.tied_to is not None or self.shared is not None:
-            return "a tied weight"
+            return None if self.tie_corrected else "eigenvalue_correction 'off'"
         if self.block.correction == "off":
             a, g = self.block.specs
             return f"A {a}, G {g}"
@@ -223,9 +225,13 @@ class Roster:
                 lambda name: by_name[name].block,
                 inv_dtype=inv_dtype,
                 relative=options.damping_mode == "relative",
+                correction=options.eigenvalue_correction,
+                correction_decay=options.eigenvalue_decay,
             )
             for name, _ in tie.uses[1:]:
                 by_name[name].tied_to = owner.name
+            for name, _ in tie.uses:
+                by_name[name].tie_corrected = options.eigenvalue_correction != "off"
 
     def __iter__(self) -> Iterator[Layer]:
         return iter(self.layers)
@@ -301,8 +307,8 @@ class Roster:
         return (
             f"kaisa: eigenvalue_correction={self.options.eigenvalue_correction!r} reaches "
             f"{len(self) - len(left)} of {len(self)} layers; the others keep K-FAC's solve: "
-            f"{shown}{more} (a low-rank or Kronecker-vector side has no explicit eigenbasis; a "
-            "tied weight is solved with its uses' summed curvature). curvature='exact', or a "
+            f"{shown}{more} (a low-rank or Kronecker-vector side has no explicit eigenbasis). "
+            "curvature='exact', or a "
             "curvature rule for these layers, lets it reach them; layers[i].corrected says "
             "which it reaches"
         )

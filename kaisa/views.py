@@ -106,6 +106,6 @@ class RegisteredLayer:
     pending_passes: int
     captured_rows: dict[tuple[str, Capture], int]
     #: The eigenvalue correction preconditions the layer (``eigenvalue_correction``
-    #: on, both sides exact or diagonal, not a tied weight; see
+    #: on, and both sides exact or diagonal or the layer a tied weight's use; see
     #: :meth:`~kaisa.roster.Layer.correction_gap`).
     corrected: bool = False

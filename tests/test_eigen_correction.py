@@ -167,14 +167,20 @@ class _Tied(nn.Module):
         return self.head(torch.tanh(self.hidden(self.embed(ids))))
 
 
-def test_a_tied_weight_is_named_as_left_to_its_summed_curvature() -> None:
-    model = _Tied()
-    with pytest.warns(RuntimeWarning) as caught:
-        pre = kaisa.KFACPreconditioner(model, eigenvalue_correction="adam", **OPTIONS)
-    texts = [str(w.message) for w in caught if "eigenvalue_correction" in str(w.message)]
-    assert len(texts) == 1 and "reaches 1 of 3 layers" in texts[0], texts
-    assert "'embed' (a tied weight)" in texts[0] and "'head' (a tied weight)" in texts[0]
-    assert [layer.name for layer in pre.layers if layer.corrected] == ["hidden"]
+def test_a_tied_weight_is_corrected_in_its_summed_curvature_and_nothing_is_said() -> None:
+    for correction in ("adam", "ekfac"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # every layer reached: no warning
+            pre = kaisa.KFACPreconditioner(_Tied(), eigenvalue_correction=correction, **OPTIONS)
+        assert [layer.name for layer in pre.layers if layer.corrected] == [
+            "embed",
+            "hidden",
+            "head",
+        ]
+        pre.remove_hooks()
+    off = kaisa.KFACPreconditioner(_Tied(), **OPTIONS)
+    assert not any(layer.corrected for layer in off.layers)
+    off.remove_hooks()
 
 
 def test_layers_the_automatic_choice_leaves_uncorrected_are_named_when_it_is_made() -> None:

@@ -30,10 +30,17 @@ in short:
   ``'kvec'`` or ``'lowrank'`` ``G`` the diagonal is taken); it is decomposed
   (``n³``) only where the budget chose an exact factor as affordable.
 
+* With ``eigenvalue_correction`` on, ``Λ`` gives way to the measured second
+  moments of the rotated gradient, as in any corrected layer
+  (:mod:`kaisa.curvature.eigencorrection`): ``S``, the running average of
+  ``(Q_Lᵀ ∇ Q_R)²``, divides it, rescaled to ``mean(Λ)/s`` for ``'ekfac'``.
+  ``Λ`` is the best diagonal of ``F`` in a basis that diagonalises neither
+  use's block; ``S`` is measured in that basis, whatever it is.
+
 The uses keep their own blocks, captures and running averages (folded as any
 layer's); this object holds only the shared second-order state, on the owner's
 gradient workers: per side ``[Q, ρ_1 … ρ_U]`` (exact) or ``[ρ_1 … ρ_U]``
-(diagonal). Nothing here knows modules, hooks or ranks.
+(diagonal), and ``S`` when corrected. Nothing here knows modules, hooks or ranks.
 """
 
 from __future__ import annotations
@@ -43,15 +50,19 @@ from dataclasses import dataclass
 
 import torch
 
+from kaisa.choices import EigenCorrection
 from kaisa.curvature.block import Factor, KroneckerBlock
 from kaisa.curvature.costs import SideSpec
+from kaisa.curvature.eigencorrection import EigenScales
 from kaisa.curvature.linalg import DecompositionError, compute_dtype, mean_scale, symmetric_eigen
 from kaisa.validation import check_tensor
 from kaisa.warn import warn
 
-__all__ = ["SharedCurvature", "Use"]
+__all__ = ["SharedCurvature", "SharedState", "Use"]
 
 _OTHER: dict[Factor, Factor] = {"a": "g", "g": "a"}
+#: The keys of a corrected shared weight's ``S`` in its state dict.
+_SCALE_KEYS = ("scales", "scale_updates")
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,15 @@ class Use:
 
     name: str
     transposed: bool = False
+
+
+@dataclass(frozen=True)
+class SharedState:
+    """A shared weight's checked second-order state: each side's tensors and, when
+    saved, the eigenvalue correction's ``(S, updates)``."""
+
+    sides: dict[Factor, list[torch.Tensor]]
+    scales: tuple[torch.Tensor, int] | None = None
 
 
 class SharedCurvature:
@@ -75,6 +95,9 @@ class SharedCurvature:
         inv_dtype: the dtype the second-order state is stored in (solved in
             at least float32).
         relative: relative damping (``Λ`` divided by its mean).
+        correction: the eigenvalue correction (``'off'``, ``'ekfac'`` or
+            ``'adam'``, see the module docstring).
+        correction_decay: ``S``'s running-average decay.
     """
 
     def __init__(
@@ -85,6 +108,8 @@ class SharedCurvature:
         *,
         inv_dtype: torch.dtype,
         relative: bool,
+        correction: EigenCorrection = "off",
+        correction_decay: float = 0.99,
     ) -> None:
         if len(uses) < 2 or uses[0].transposed:
             raise ValueError("a shared weight needs its owner first and at least one more use")
@@ -108,6 +133,10 @@ class SharedCurvature:
         self.relative = relative
         self.device = owner.a.device
         self.state: dict[Factor, list[torch.Tensor]] = {}
+        self.correction: EigenCorrection = correction
+        self.correction_decay = correction_decay
+        #: ``S`` of the corrected solve (``m × n``), on the owner's gradient workers.
+        self.scales: EigenScales | None = None
 
     @property
     def names(self) -> list[str]:
@@ -183,6 +212,12 @@ class SharedCurvature:
             held = self.state.get(which)
             if held is None or [tuple(t.shape) for t in held] != self.shapes(which):
                 self.state[which] = self._identity_state(which)
+                # A new basis (a side turned exact or diagonal): S was measured in the old one.
+                self.scales = None
+        if self.correction != "off" and self.scales is None:
+            self.scales = EigenScales.zeros(
+                self.sizes["g"], self.sizes["a"], self.device, self.work_dtype
+            )
 
     def state_tensors(self, which: Factor) -> list[torch.Tensor]:
         """The tensors a refresh writes and the column broadcast sends."""
@@ -243,10 +278,29 @@ class SharedCurvature:
         )
 
     def precondition(self, grad: torch.Tensor, damping: float) -> torch.Tensor:
-        """``Q_L [(Q_Lᵀ ∇ Q_R) ⊘ (Λ/s + γ)] Q_Rᵀ`` for the owner's ``(m, n)`` gradient."""
+        """``Q_L [(Q_Lᵀ ∇ Q_R) ⊘ (Λ/s + γ)] Q_Rᵀ`` for the owner's ``(m, n)`` gradient.
+
+        Corrected (``correction`` not ``'off'``): this step's rotated gradient
+        is folded into ``S``, which replaces ``Λ/s`` (``'ekfac'``: rescaled to
+        its mean, 1 under relative damping; ``'adam'``: its square root).
+        """
         q_g, _ = self._basis_and_values("g")
         q_a, _ = self._basis_and_values("a")
         values = self.eigenvalues()
+        if self.correction != "off":
+            self.allocate()
+            assert self.scales is not None
+            kron_mean = 1.0 if self.relative else values.mean()
+            return self.scales.solve(
+                grad,
+                q_a,
+                q_g,
+                damping,
+                self.correction_decay,
+                self.correction,
+                self.relative,
+                kron_mean,
+            ).contiguous()
         if self.relative:
             values = values / mean_scale(values)
         m = grad.to(self.work_dtype)
@@ -262,17 +316,29 @@ class SharedCurvature:
         return m.to(grad.dtype).contiguous()
 
     # -- checkpoints -----------------------------------------------------------------
-    def state_dict(self) -> dict[str, list[torch.Tensor]]:
-        return {which: [t.clone() for t in tensors] for which, tensors in self.state.items()}
+    def state_dict(self) -> dict[str, object]:
+        """Each side's tensors (``'a'``, ``'g'``) and, when corrected, ``'scales'``
+        (``S``) and ``'scale_updates'``."""
+        state: dict[str, object] = {
+            which: [t.clone() for t in tensors] for which, tensors in self.state.items()
+        }
+        if self.scales is not None:
+            state["scales"] = self.scales.scales.clone()
+            state["scale_updates"] = self.scales.updates
+        return state
 
     def check_state(
         self, saved: object, where: str, specs: Mapping[str, tuple[str, str]] | None = None
-    ) -> dict[Factor, list[torch.Tensor]]:
+    ) -> SharedState:
         """A saved :meth:`state_dict`, checked for the uses' representations ``specs``
         (shapes, finite, non-negative values); raises ``TypeError``/``ValueError``,
-        changes nothing."""
-        if not isinstance(saved, Mapping) or set(saved) != {"a", "g"}:
-            raise TypeError(f"{where}: 'shared' must be a dict of the sides 'a' and 'g'")
+        changes nothing. Saved ``S`` is kept only when this weight is corrected."""
+        keys = {"a", "g"}
+        if not isinstance(saved, Mapping) or not keys <= set(saved) <= keys | set(_SCALE_KEYS):
+            raise TypeError(
+                f"{where}: 'shared' must be a dict of the sides 'a' and 'g' (and, when "
+                "eigenvalue-corrected, 'scales' and 'scale_updates')"
+            )
         checked: dict[Factor, list[torch.Tensor]] = {}
         sides: tuple[Factor, Factor] = ("a", "g")
         for which in sides:
@@ -294,16 +360,41 @@ class SharedCurvature:
                     f"{what} has negative eigenvalues (a sum of factors is positive semi-definite)"
                 )
             checked[which] = out
-        return checked
+        return SharedState(checked, self._check_scales(saved, where))
 
-    def load(self, checked: Mapping[Factor, Sequence[torch.Tensor]] | None) -> None:
-        """Install a :meth:`check_state` result, or go back to the identity's state (``None``)."""
+    def _check_scales(
+        self, saved: Mapping[str, object], where: str
+    ) -> tuple[torch.Tensor, int] | None:
+        held = [key for key in _SCALE_KEYS if key in saved]
+        if not held:
+            return None
+        what = f"{where}: shared eigenvalue-corrected scales"
+        if len(held) != len(_SCALE_KEYS):
+            raise ValueError(f"{what}: the state must hold both 'scales' and 'scale_updates'")
+        updates = saved["scale_updates"]
+        if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
+            raise ValueError(f"{what}: 'scale_updates' must be an int >= 0, got {updates!r}")
+        shape = (self.sizes["g"], self.sizes["a"])
+        scales = check_tensor(saved["scales"], what, shape, self.device, self.work_dtype)
+        if scales.numel() and float(scales.min()) < 0.0:
+            raise ValueError(f"{what} are negative (a running average of squares has none)")
+        return (scales, updates) if self.correction != "off" else None
+
+    def load(self, checked: SharedState | None) -> None:
+        """Install a :meth:`check_state` result, or go back to the identity's state (``None``;
+        ``S`` starts again, as it does when none was saved)."""
         self.state = {}
+        self.scales = None
         self.allocate()
-        if checked is not None:
-            for which, tensors in checked.items():
-                for target, value in zip(self.state[which], tensors, strict=True):
-                    target.copy_(value)
+        if checked is None:
+            return
+        for which, tensors in checked.sides.items():
+            for target, value in zip(self.state[which], tensors, strict=True):
+                target.copy_(value)
+        if self.scales is not None and checked.scales is not None:
+            self.scales.scales.copy_(checked.scales[0])
+            self.scales.updates = checked.scales[1]
 
     def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for ts in self.state.values() for t in ts)
+        held = sum(t.numel() * t.element_size() for ts in self.state.values() for t in ts)
+        return held + (self.scales.nbytes() if self.scales is not None else 0)

@@ -34,11 +34,11 @@ class Tied(nn.Module):
         return self.head(torch.tanh(self.mix(self.embed(idx))))
 
 
-def _reference(pre: kaisa.KFACPreconditioner, grad: torch.Tensor, damping: float, relative: bool):
-    """``B (diag(BᵀFB)/s + γI)⁻¹ Bᵀ vec(∇)`` densely, ``B = Q_L ⊗ Q_R``, owner's orientation."""
+def _dense_basis(pre: kaisa.KFACPreconditioner, m: int, n: int):
+    """``(F, Q_L, Q_R)``: the dense summed curvature (owner's orientation) and the
+    eigenbases of its partial traces."""
     layers = {layer.name: layer for layer in pre.layers}
     owner = "head" if pre.model.head.bias is not None else "embed"
-    m, n = grad.shape
     total = torch.zeros(m * n, m * n, dtype=torch.float64)
     for name in ("embed", "head"):
         block = layers[name].block
@@ -58,11 +58,37 @@ def _reference(pre: kaisa.KFACPreconditioner, grad: torch.Tensor, damping: float
     right_trace = torch.einsum("iaib->ab", four)
     q_l = torch.linalg.eigh(left_trace).eigenvectors
     q_r = torch.linalg.eigh(right_trace).eigenvectors
+    return total, q_l, q_r
+
+
+def _reference(pre: kaisa.KFACPreconditioner, grad: torch.Tensor, damping: float, relative: bool):
+    """``B (diag(BᵀFB)/s + γI)⁻¹ Bᵀ vec(∇)`` densely, ``B = Q_L ⊗ Q_R``, owner's orientation."""
+    m, n = grad.shape
+    total, q_l, q_r = _dense_basis(pre, m, n)
     basis = torch.kron(q_l, q_r)
     values = torch.diagonal(basis.t() @ total @ basis)
     scale = values.mean() if relative else 1.0
     system = basis @ torch.diag(values / scale + damping) @ basis.t()
     return torch.linalg.solve(system, grad.double().reshape(-1)).reshape(m, n), total
+
+
+def _float64_preconditioner(
+    model: Tied, damping: float, damping_mode: str, curvature: object, **extra: object
+) -> kaisa.KFACPreconditioner:
+    """Factors and inverses refreshed every step, in float64, no KL clipping."""
+    return kaisa.KFACPreconditioner(
+        model,
+        factor_update_steps=1,
+        inv_update_steps=1,
+        kl_clip=None,
+        damping=damping,
+        damping_mode=damping_mode,
+        curvature=curvature,
+        factor_dtype=torch.float64,
+        inv_dtype=torch.float64,
+        lr=0.1,
+        **extra,
+    )
 
 
 def _owner_grad(model: Tied) -> torch.Tensor:
@@ -88,18 +114,7 @@ def test_the_shared_block_equals_its_dense_float64_formula(bias, curvature, damp
     torch.manual_seed(0)
     model = Tied(bias).double()
     damping = 0.05
-    pre = kaisa.KFACPreconditioner(
-        model,
-        factor_update_steps=1,
-        inv_update_steps=1,
-        kl_clip=None,
-        damping=damping,
-        damping_mode=damping_mode,
-        curvature=curvature,
-        factor_dtype=torch.float64,
-        inv_dtype=torch.float64,
-        lr=0.1,
-    )
+    pre = _float64_preconditioner(model, damping, damping_mode, curvature)
     names = [layer.name for layer in pre.layers]
     assert "embed" in names and "head" in names
     for _ in range(3):  # a few folds: the running averages are not one batch's
@@ -120,18 +135,7 @@ def test_with_diagonal_sides_everywhere_it_is_the_exact_inverse_of_the_summed_cu
     """Diagonal factors commute: ``P = (F/s + γI)⁻¹ ∇`` exactly, ``F`` the sum of both uses."""
     torch.manual_seed(1)
     model = Tied(False).double()
-    pre = kaisa.KFACPreconditioner(
-        model,
-        factor_update_steps=1,
-        inv_update_steps=1,
-        kl_clip=None,
-        damping=0.01,
-        damping_mode="absolute",
-        curvature="diagonal",
-        factor_dtype=torch.float64,
-        inv_dtype=torch.float64,
-        lr=0.1,
-    )
+    pre = _float64_preconditioner(model, 0.01, "absolute", "diagonal")
     idx = torch.randint(0, V, (5, 7))
     F.cross_entropy(model(idx).reshape(-1, V), idx.reshape(-1)).backward()
     grad = _owner_grad(model)
@@ -141,6 +145,126 @@ def test_with_diagonal_sides_everywhere_it_is_the_exact_inverse_of_the_summed_cu
     exact = torch.linalg.solve(total + 0.01 * eye, grad.reshape(-1)).reshape(grad.shape)
     torch.testing.assert_close(_owner_grad(model), exact, rtol=1e-9, atol=1e-12)
     pre.remove_hooks()
+
+
+@pytest.mark.parametrize(
+    ("bias", "correction", "damping_mode"),
+    [
+        (False, "ekfac", "relative"),
+        (False, "ekfac", "absolute"),
+        (True, "ekfac", "relative"),
+        (False, "adam", "relative"),
+        (True, "adam", "absolute"),
+    ],
+)
+def test_the_corrected_shared_block_equals_its_dense_float64_formula(
+    bias, correction, damping_mode
+) -> None:
+    """``S`` of ``(Q_Lᵀ ∇ Q_R)²`` folded step by step in the basis of the step, then
+    ``Q_L [V ⊘ D] Q_Rᵀ`` with the correction's divisor ``D`` (ekfac: ``S μ/mean S + γ``,
+    ``μ = mean(Λ)`` under absolute damping and 1 under relative; adam:
+    ``(S + γ s̄)^½``), computed densely in float64 from the uses' running averages."""
+    torch.manual_seed(3)
+    model = Tied(bias).double()
+    damping, decay, relative = 0.05, 0.9, damping_mode == "relative"
+    pre = _float64_preconditioner(
+        model,
+        damping,
+        damping_mode,
+        "exact",
+        eigenvalue_correction=correction,
+        eigenvalue_decay=decay,
+    )
+    assert all(layer.corrected for layer in pre.layers)
+    scales = None
+    for k in range(4):
+        model.zero_grad()
+        idx = torch.randint(0, V, (4, 6))
+        F.cross_entropy(model(idx).reshape(-1, V), torch.roll(idx, 1).reshape(-1)).backward()
+        grad = _owner_grad(model)
+        pre.step()
+        total, q_l, q_r = _dense_basis(pre, *grad.shape)
+        rotated = q_l.t() @ grad @ q_r
+        xi = min(decay, k / (k + 1))
+        scales = rotated**2 if scales is None else xi * scales + (1 - xi) * rotated**2
+        if correction == "ekfac":
+            basis = torch.kron(q_l, q_r)
+            values = torch.diagonal(basis.t() @ total @ basis)
+            mu = 1.0 if relative else values.mean()
+            divisor = scales * mu / scales.mean() + damping
+        else:
+            divisor = (scales + damping * (scales.mean() if relative else 1.0)).sqrt()
+        expected = q_l @ (rotated / divisor) @ q_r.t()
+        torch.testing.assert_close(_owner_grad(model), expected, rtol=1e-9, atol=1e-12)
+    pre.remove_hooks()
+
+
+def _assert_same(x: object, y: object) -> None:
+    if isinstance(x, torch.Tensor):
+        assert isinstance(y, torch.Tensor) and torch.equal(x, y)
+    elif isinstance(x, dict):
+        assert isinstance(y, dict) and x.keys() == y.keys()
+        for key in x:
+            _assert_same(x[key], y[key])
+    elif isinstance(x, (list, tuple)):
+        assert isinstance(y, (list, tuple)) and len(x) == len(y)
+        for a, b in zip(x, y, strict=True):
+            _assert_same(a, b)
+    else:
+        assert x == y
+
+
+def test_the_corrected_shared_state_round_trips_and_a_bad_one_changes_nothing() -> None:
+    torch.manual_seed(4)
+    kwargs = {
+        "factor_update_steps": 1,
+        "inv_update_steps": 3,
+        "lr": 0.1,
+        "curvature": "exact",
+        "eigenvalue_correction": "ekfac",
+    }
+
+    def backward(m: Tied, idx: torch.Tensor) -> None:
+        m.zero_grad()
+        F.cross_entropy(m(idx).reshape(-1, V), idx.reshape(-1)).backward()
+
+    model = Tied(False)
+    pre = kaisa.KFACPreconditioner(model, **kwargs)
+    for _ in range(4):
+        backward(model, torch.randint(0, V, (4, 6)))
+        pre.step()
+    shared = pre.state_dict()["layers"]["embed"]["shared"]
+    assert set(shared) == {"a", "g", "scales", "scale_updates"}
+    assert shared["scale_updates"] == 4 and shared["scales"].shape == (D, V)
+    state = pre.state_dict()
+
+    other = Tied(False)
+    other.load_state_dict(model.state_dict())
+    fresh = kaisa.KFACPreconditioner(other, **kwargs)
+    fresh.load_state_dict(state)
+    assert fresh.state_dict()["layers"]["embed"]["shared"]["scale_updates"] == 4
+    lone = {key: value for key, value in shared.items() if key != "scale_updates"}
+    for saved, match in (
+        ({**shared, "scales": -shared["scales"]}, "negative"),
+        ({**shared, "scales": shared["scales"][:, :-1]}, "shape"),
+        ({**shared, "scale_updates": -1}, "scale_updates"),
+        ({**shared, "scales": None}, "tensor"),
+        (lone, "both 'scales' and 'scale_updates'"),
+    ):
+        layers = {**state["layers"], "embed": {**state["layers"]["embed"], "shared": saved}}
+        with pytest.raises((TypeError, ValueError), match=match):
+            fresh.load_state_dict({**state, "layers": layers})
+        # Refused: the loaded state (Q, ρ, S and its count) is all still there.
+        _assert_same(fresh.state_dict()["layers"]["embed"]["shared"], shared)
+
+    idx = torch.randint(0, V, (4, 6))
+    backward(model, idx)
+    backward(other, idx)
+    pre.step()
+    fresh.step()  # no inverse update at this step: the loaded Q and S are used
+    assert torch.equal(model.embed.weight.grad, other.embed.weight.grad)
+    pre.remove_hooks()
+    fresh.remove_hooks()
 
 
 def test_coverage_lists_the_tied_weight_as_preconditioned_by_both_uses() -> None:

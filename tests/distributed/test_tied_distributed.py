@@ -6,7 +6,8 @@ computed on one rank and its preconditioned gradient broadcast to the
 other; with two (COMM-OPT) the decomposition is broadcast instead. Either
 way the weights follow the one-process run on the whole batch (up to float32
 summation order), and each rank's checkpoint carries the shared state where
-it works on it.
+it works on it. Eigenvalue-corrected, the shared ``S`` lives with the
+owner's gradient workers and needs no traffic of its own.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class Tied(nn.Module):
         return self.head(torch.tanh(self.mix(self.embed(idx))))
 
 
-def _train(rank: int, world_size: int, fraction: float) -> dict[str, Any]:
+def _train(rank: int, world_size: int, fraction: float, correction: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = Tied()
     tokens = torch.randint(0, V, (STEPS, BATCH, 7), generator=torch.Generator().manual_seed(1))
@@ -47,6 +48,7 @@ def _train(rank: int, world_size: int, fraction: float) -> dict[str, Any]:
         curvature="exact",
         lr=0.1,
         grad_worker_fraction=fraction,
+        eigenvalue_correction=correction,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     local = BATCH // world_size
@@ -64,25 +66,37 @@ def _train(rank: int, world_size: int, fraction: float) -> dict[str, Any]:
         "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
         "workers": assignment.grad_workers,
         "has_shared": "shared" in state,
+        "has_scales": "scales" in state.get("shared", {}),
     }
 
 
-def _worker(rank: int, world_size: int) -> dict[float, dict[str, Any]]:
-    return {f: _train(rank, world_size, f) for f in (0.5, 1.0)}
+#: Every fraction of 2 processes, with the shared block as K-FAC solves it and
+#: eigenvalue-corrected (its S lives with the owner's gradient workers).
+RUNS = [(f, c) for f in (0.5, 1.0) for c in ("off", "ekfac")]
+
+
+def _worker(rank: int, world_size: int) -> dict[tuple[float, str], dict[str, Any]]:
+    return {(f, c): _train(rank, world_size, f, c) for f, c in RUNS}
 
 
 def test_two_processes_follow_one_with_the_shared_block() -> None:
-    single = {f: _train(0, 1, f) for f in (0.5, 1.0)}
+    single = {(f, c): _train(0, 1, f, c) for f, c in RUNS}
     results = run_distributed(_worker, 2, timeout=120)
-    for f in (0.5, 1.0):
+    for f, c in RUNS:
         for rank in range(2):
-            got = results[rank][f]
-            torch.testing.assert_close(got["weights"], single[f]["weights"], rtol=0, atol=TOLERANCE)
-            assert got["has_shared"] == (rank in got["workers"])
-        assert len(results[0][f]["workers"]) == (1 if f == 0.5 else 2)
-    # The shared block moved the weights: not the plain SGD run.
+            got = results[rank][(f, c)]
+            expected = single[(f, c)]["weights"]
+            torch.testing.assert_close(got["weights"], expected, rtol=0, atol=TOLERANCE)
+            works = rank in got["workers"]
+            assert got["has_shared"] == works
+            assert got["has_scales"] == (works and c == "ekfac")
+        assert len(results[0][(f, c)]["workers"]) == (1 if f == 0.5 else 2)
+    # The shared block moved the weights: not the plain SGD run, and the
+    # correction changed them.
     torch.manual_seed(0)
-    assert not torch.allclose(single[1.0]["weights"], _plain_sgd(), atol=1e-4)
+    assert not torch.allclose(single[(1.0, "off")]["weights"], _plain_sgd(), atol=1e-4)
+    corrected = single[(1.0, "ekfac")]["weights"]
+    assert not torch.allclose(corrected, single[(1.0, "off")]["weights"], atol=1e-4)
 
 
 def _plain_sgd() -> torch.Tensor:
