@@ -350,7 +350,8 @@ def _share_preconditioned(pre: kaisa.KFACPreconditioner, model: nn.Module) -> fl
     return kept / sum(sizes[t.parameter] for t in matrices)
 
 
-def test_a_tiny_hf_gpt2_is_covered_and_trains_finitely() -> None:
+@pytest.mark.parametrize("correction", ["off", "ekfac"])
+def test_a_tiny_hf_gpt2_is_covered_and_trains_finitely(correction: str) -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.GPT2Config(
@@ -360,9 +361,17 @@ def test_a_tiny_hf_gpt2_is_covered_and_trains_finitely() -> None:
     model = transformers.GPT2LMHeadModel(config)
     model.train()
     assert model.lm_head.weight is model.transformer.wte.weight
-    pre = kaisa.KFACPreconditioner(model, lr=1e-3, factor_update_steps=1, inv_update_steps=2)
+    pre = kaisa.KFACPreconditioner(
+        model,
+        lr=1e-3,
+        factor_update_steps=1,
+        inv_update_steps=2,
+        eigenvalue_correction=correction,
+    )
     share = _share_preconditioned(pre, model)
     assert share >= 0.99, share
+    # Corrected, every layer is reached, the tied wte/lm_head included.
+    assert all(layer.corrected == (correction == "ekfac") for layer in pre.layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     idx = torch.randint(0, 64, (2, 16))
     losses = []
