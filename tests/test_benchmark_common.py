@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
-
-COMMON = Path(__file__).resolve().parents[1] / "benchmarks" / "common.py"
+from script_loader import load_script
 
 
 def test_kfac_json_turns_torch_names_into_torch_attributes() -> None:
-    spec = importlib.util.spec_from_file_location("benchmarks_common_under_test", COMMON)
-    assert spec is not None and spec.loader is not None
-    common = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = common  # (its dataclasses look their module up)
-    try:
-        spec.loader.exec_module(common)
-    finally:
-        del sys.modules[spec.name]
+    common = load_script("benchmarks/common.py", "benchmarks_common_under_test")
     got = common.kfac_json(
         '{"factor_product_dtype": "torch.bfloat16", "damping": 0.01, "curvature": "exact",'
         ' "skip_layers": ["torch.x"]}'

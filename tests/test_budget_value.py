@@ -3,32 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from script_loader import load_script
 
 from kaisa.demo.data import FashionMNIST
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    path = ROOT / "benchmarks" / "budget_value.py"
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("budget_value_under_test", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclass looks its module up by name
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(path.parent))
-    return module
+    # Registered: its dataclass looks its module up by name.
+    return load_script("benchmarks/budget_value.py", "budget_value_under_test", register=True)
 
 
 def _data() -> FashionMNIST:

@@ -15,12 +15,12 @@ import importlib.util
 import json
 import math
 import os
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from script_loader import load_script
 
 from kaisa.demo.cli import build_config, main, parse_args
 from kaisa.demo.compare import summarize_suite
@@ -40,7 +40,6 @@ from kaisa.demo.report import format_summary, format_table, summary_markdown
 from kaisa.demo.text import DEFAULT_TEXT_DIR, load_text_corpus
 from kaisa.demo.train import train_arm, train_arms_in_lockstep
 
-ROOT = Path(__file__).resolve().parents[1]
 SENTENCES = [
     "the cat sat on the mat.",
     "a bird in the hand is worth two in the bush.",
@@ -405,16 +404,7 @@ def test_tables_and_summary_over_both_kinds_of_workload() -> None:
 
 
 def _probe() -> ModuleType:
-    path = ROOT / "benchmarks" / "steps_probe.py"
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("steps_probe_under_test", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(path.parent))
-    return module
+    return load_script("benchmarks/steps_probe.py", "steps_probe_under_test")
 
 
 @pytest.mark.timeout(120)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import sys
@@ -10,6 +9,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from script_loader import load_script
 
 from kaisa.demo.compare import summarize_suite
 
@@ -19,13 +19,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "suite-s17"
 
 @pytest.fixture(scope="module")
 def join_suites() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "join_suites_under_test", ROOT / "benchmarks" / "join_suites.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/join_suites.py", "join_suites_under_test")
 
 
 def _part(tmp: Path, name: str, workloads: list[str]) -> Path:

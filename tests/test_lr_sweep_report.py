@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-
-SWEEP = Path(__file__).resolve().parents[1] / "benchmarks" / "lr_sweep.py"
+from script_loader import load_script
 
 
 @pytest.fixture(scope="module")
 def lr_sweep() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("lr_sweep_under_test", SWEEP)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/lr_sweep.py", "lr_sweep_under_test")
 
 
 def _record(

@@ -14,23 +14,16 @@ and the final loss is within 10% of a clean run's on the same data.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 from harness import run_distributed
-
-BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "chaos_soak.py"
+from script_loader import load_script
 
 
 def _benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("chaos_soak", BENCHMARK)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/chaos_soak.py", "chaos_soak")
 
 
 def _check(results: list[dict[str, dict[str, Any]]], steps: int) -> None:

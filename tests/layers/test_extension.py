@@ -8,7 +8,6 @@ unregistered, the layer is reported raw and a model of nothing else is refused.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from types import ModuleType
 import pytest
 import torch
 import torch.nn.functional as F
+from script_loader import load_script
 from torch import nn
 
 import kaisa
@@ -26,11 +26,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_layer.py"
 
 
 def _example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("custom_layer_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/custom_layer.py", "custom_layer_example")
 
 
 EX = _example()

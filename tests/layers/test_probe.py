@@ -10,13 +10,12 @@ message naming the handler and what is off. kaisa's own handlers pass.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from script_loader import load_script
 from torch import nn
 
 import kaisa
@@ -24,15 +23,9 @@ from kaisa.layers import HandlerContractError, LayerHandler, TransposedLinearHan
 from kaisa.layers.base import last_dim_gram
 from kaisa.layers.probe import check_factory
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_layer.py"
-
 
 def _example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("custom_layer_example_probe", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/custom_layer.py", "custom_layer_example_probe")
 
 
 EX = _example()
