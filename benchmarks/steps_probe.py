@@ -23,7 +23,12 @@ stop). Every workload works, the language model (``--workload gpt``, whose
 metric is the validation loss in nats per byte, lower is better) included;
 ``--tied-head`` builds it with its head tied to the token embedding
 (``kaisa.models.GPT(tied_head=True)``, 636,032 parameters) instead of the
-suite's untied one (the row's ``tied_head`` says so). ::
+suite's untied one (the row's ``tied_head`` says so), and ``--hf-gpt2``
+with HuggingFace transformers' ``GPT2LMHeadModel`` of the same shape (d 128,
+3 layers, 4 heads, context 64, the 256 bytes; no dropout; its head tied to
+``wte`` as GPT-2's is; ``Conv1D`` projections and learned positions; the
+row's ``model`` is ``'hf-gpt2'``): a language model as users bring it, not
+one written here. ::
 
     python benchmarks/steps_probe.py --workload vit --arm kaisa-adamw --lr 0.008 \\
         --seeds 0,1 --kfac '{"time_budget": 1.0}'
@@ -78,6 +83,42 @@ def tied_gpt(
     return build_model(name, vocab_size=VOCAB_SIZE, context=context, tied_head=True)
 
 
+class HFGPT2(torch.nn.Module):
+    """transformers' GPT-2 LM of the demo ``gpt``'s shape, returning its logits."""
+
+    def __init__(self, vocab_size: int, context: int) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.GPT2Config(
+            vocab_size=vocab_size,
+            n_positions=context,
+            n_embd=128,
+            n_layer=3,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        self.lm = transformers.GPT2LMHeadModel(config)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=idx).logits  # type: ignore[no-any-return]
+
+
+def hf_gpt2(
+    name: str, image_shape: tuple[int, int, int] | None = None, *, context: int | None = None
+) -> torch.nn.Module:
+    """:class:`HFGPT2` in place of the demo's byte-level GPT."""
+    from kaisa.demo.text import VOCAB_SIZE
+
+    if name != "gpt" or context is None:
+        raise ValueError(f"--hf-gpt2 replaces the gpt workload's model only, not {name!r}")
+    return HFGPT2(VOCAB_SIZE, context)
+
+
 def main(argv: list[str] | None = None, variant: str | None = None) -> int:
     """Run the probe; ``variant`` (a caller's in-process change) is recorded in each row."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -102,9 +143,15 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
         "--tied-head", action="store_true", help="gpt only: tie the head to the embedding"
     )
     p.add_argument("--out", type=Path, default=Path("runs/steps_probe.jsonl"))
+    p.add_argument(
+        "--hf-gpt2", action="store_true", help="gpt only: HuggingFace's GPT-2 of the same shape"
+    )
     args = p.parse_args(argv)
-    if args.tied_head and args.workload != "gpt":
-        p.error(f"--tied-head applies to --workload gpt only, not {args.workload}")
+    for flag, on in (("--tied-head", args.tied_head), ("--hf-gpt2", args.hf_gpt2)):
+        if on and args.workload != "gpt":
+            p.error(f"{flag} applies to --workload gpt only, not {args.workload}")
+    if args.tied_head and args.hf_gpt2:
+        p.error("--tied-head and --hf-gpt2 are two models; give one")
     extra: dict[str, Any] = kfac_json(args.kfac)
     if not isinstance(extra, dict):
         p.error("--kfac must be a JSON object")
@@ -131,6 +178,8 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
     demo_train._make_preconditioner = make  # the demo's run, these options
     if args.tied_head:
         demo_train.build_demo_model = tied_gpt  # type: ignore[assignment]
+    if args.hf_gpt2:
+        demo_train.build_demo_model = hf_gpt2  # type: ignore[assignment]
     argv_demo = ["--workload", args.workload, "--arms", args.arm,
                  "--threads", str(args.threads), "--no-progress", "--stop-at-target",
                  "--out", "/tmp/steps_probe"]  # fmt: skip
@@ -166,6 +215,8 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
         }
         if args.tied_head:
             row["tied_head"] = True
+        if args.hf_gpt2:
+            row["model"] = "hf-gpt2"
         if variant is not None:
             row["variant"] = variant
         choice = result.kfac_choice

@@ -777,6 +777,27 @@ def test_muon_param_split(
     assert all(f"{n}.weight" in split.adamw for n in norms)
 
 
+def test_muon_param_split_sees_huggingface_conv1d_as_hidden_matrices() -> None:
+    """GPT-2's projections are HF ``Conv1D`` (a transposed Linear): Muon's; the
+    embeddings and the tied head stay AdamW's."""
+    transformers = pytest.importorskip("transformers")
+    from kaisa.demo.optimizers import muon_param_split
+
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=8, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    net = transformers.GPT2LMHeadModel(config)
+    split = muon_param_split(net)
+    assert list(split.matrices) == [
+        f"transformer.h.{i}.{w}.weight"
+        for i in (0, 1)
+        for w in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    ]
+    weights = {n for n, p in net.named_parameters() if p.ndim >= 2 and n in split.adamw}
+    assert weights == {"transformer.wte.weight", "transformer.wpe.weight"}  # lm_head is wte
+
+
 def test_conv_muon_is_torch_muon_on_a_matrix_and_orthogonalises() -> None:
     """On a 2-D parameter ConvMuon takes torch.optim.Muon's step (up to bf16 vs fp32)."""
     import torch

@@ -233,10 +233,17 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    """HuggingFace transformers' ``Conv1D`` (GPT-2's projections), not imported here."""
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.")
+
+
 def muon_param_split(model: nn.Module) -> MuonSplit:
     """Which of ``model``'s trainable parameters go to Muon and which to AdamW.
 
     Hidden weights are the ``weight`` of every ``nn.Linear`` and ``nn.Conv2d``
+    (and HuggingFace's ``Conv1D``, a Linear with its weight stored transposed)
     except the first and the last such layer in definition order (the input
     layer and the classifier head), and the Q/K/V projection weights of every
     ``nn.MultiheadAttention``. When an ``nn.Embedding`` comes before the first
@@ -247,7 +254,11 @@ def muon_param_split(model: nn.Module) -> MuonSplit:
     tied head) is never hidden. A DDP wrapper is looked through.
     """
     model = _unwrap(model)
-    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d, nn.Embedding))]
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, (nn.Linear, nn.Conv2d, nn.Embedding)) or _is_hf_conv1d(m)
+    ]
     first = 1
     if layers and isinstance(layers[0], nn.Embedding):
         first = 0
