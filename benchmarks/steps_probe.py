@@ -175,57 +175,62 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
             model, lr=current_lr, **{**arm.kfac.overrides(), **extra, **schedule}
         )
 
-    demo_train._make_preconditioner = make  # the demo's run, these options
-    if args.tied_head:
-        demo_train.build_demo_model = tied_gpt  # type: ignore[assignment]
-    if args.hf_gpt2:
-        demo_train.build_demo_model = hf_gpt2  # type: ignore[assignment]
-    argv_demo = ["--workload", args.workload, "--arms", args.arm,
-                 "--threads", str(args.threads), "--no-progress", "--stop-at-target",
-                 "--out", "/tmp/steps_probe"]  # fmt: skip
-    if args.lr is not None:
-        argv_demo += ["--lr", f"{args.arm}={args.lr!r}"]
-    if args.data_dir:
-        argv_demo += ["--data-dir", args.data_dir]
-    if args.text_dir:
-        argv_demo += ["--text-dir", args.text_dir]
-    config = build_config(parse_args(argv_demo)).workloads[0]
-    config = dataclasses.replace(config, step_limit=args.max_steps)
-    arm = config.arms[0]
-    data = load_dataset(config.dataset, config.data_dir)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    for seed in (int(s) for s in args.seeds.split(",")):
-        start = time.time()
-        result = demo_train.train_arm(data, config, arm, seed, stop_at_target=True)
-        hit = result.first_reaching(config.target)
-        row = {
-            "workload": args.workload,
-            "arm": args.arm,
-            "lr": arm.lr,
-            "lr_source": arm.lr_source,
-            "seed": seed,
-            "kfac": args.kfac,
-            "early_refresh": args.early_refresh,
-            "metric": config.metric,
-            "target": config.target,
-            "steps": None if hit is None else hit.step,
-            "stopped_at": result.steps,
-            "last": None if result.final_value is None else round(result.final_value, 4),
-            "wall_s": round(time.time() - start, 1),
-        }
+    # The demo's own run with these options (and model): patched for this call only.
+    saved = demo_train._make_preconditioner, demo_train.build_demo_model
+    try:
+        demo_train._make_preconditioner = make  # the demo's run, these options
         if args.tied_head:
-            row["tied_head"] = True
+            demo_train.build_demo_model = tied_gpt  # type: ignore[assignment]
         if args.hf_gpt2:
-            row["model"] = "hf-gpt2"
-        if variant is not None:
-            row["variant"] = variant
-        choice = result.kfac_choice
-        if choice:
-            row["intervals"] = [choice["factor_update_steps"], choice["inv_update_steps"]]
-            row["time_scale"] = round(float(choice.get("time_scale", 1.0)), 3)
-        print(json.dumps(row), flush=True)
-        with args.out.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            demo_train.build_demo_model = hf_gpt2  # type: ignore[assignment]
+        argv_demo = ["--workload", args.workload, "--arms", args.arm,
+                     "--threads", str(args.threads), "--no-progress", "--stop-at-target",
+                     "--out", "/tmp/steps_probe"]  # fmt: skip
+        if args.lr is not None:
+            argv_demo += ["--lr", f"{args.arm}={args.lr!r}"]
+        if args.data_dir:
+            argv_demo += ["--data-dir", args.data_dir]
+        if args.text_dir:
+            argv_demo += ["--text-dir", args.text_dir]
+        config = build_config(parse_args(argv_demo)).workloads[0]
+        config = dataclasses.replace(config, step_limit=args.max_steps)
+        arm = config.arms[0]
+        data = load_dataset(config.dataset, config.data_dir)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        for seed in (int(s) for s in args.seeds.split(",")):
+            start = time.time()
+            result = demo_train.train_arm(data, config, arm, seed, stop_at_target=True)
+            hit = result.first_reaching(config.target)
+            row = {
+                "workload": args.workload,
+                "arm": args.arm,
+                "lr": arm.lr,
+                "lr_source": arm.lr_source,
+                "seed": seed,
+                "kfac": args.kfac,
+                "early_refresh": args.early_refresh,
+                "metric": config.metric,
+                "target": config.target,
+                "steps": None if hit is None else hit.step,
+                "stopped_at": result.steps,
+                "last": None if result.final_value is None else round(result.final_value, 4),
+                "wall_s": round(time.time() - start, 1),
+            }
+            if args.tied_head:
+                row["tied_head"] = True
+            if args.hf_gpt2:
+                row["model"] = "hf-gpt2"
+            if variant is not None:
+                row["variant"] = variant
+            choice = result.kfac_choice
+            if choice:
+                row["intervals"] = [choice["factor_update_steps"], choice["inv_update_steps"]]
+                row["time_scale"] = round(float(choice.get("time_scale", 1.0)), 3)
+            print(json.dumps(row), flush=True)
+            with args.out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+    finally:
+        demo_train._make_preconditioner, demo_train.build_demo_model = saved
     return 0
 
 

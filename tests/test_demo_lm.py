@@ -430,3 +430,41 @@ def test_steps_probe_runs_any_arm_on_the_language_model(
     with pytest.raises(SystemExit):
         probe.main(["--workload", "gpt", "--arm", "adamw", "--kfac", '{"damping": 0.1}',
                     "--text-dir", str(corpus_dir), "--out", str(out)])  # fmt: skip
+
+
+@pytest.mark.timeout(180)
+def test_steps_probe_swaps_in_the_tied_and_the_huggingface_gpt_for_its_run_only(
+    corpus_dir: Path, tmp_path: Path
+) -> None:
+    from kaisa.demo import train as demo_train
+
+    probe = _probe()
+    tied = probe.tied_gpt("gpt", context=16)
+    assert tied.head.weight is tied.tok_embed.weight
+    original = demo_train.build_demo_model, demo_train._make_preconditioner
+    out = tmp_path / "probe.jsonl"
+    runs = [["--tied-head"]]
+    if importlib.util.find_spec("transformers") is not None:
+        hf = probe.hf_gpt2("gpt", context=16)
+        assert hf(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 256)
+        assert hf.lm.lm_head.weight is hf.lm.transformer.wte.weight
+        runs.append(["--hf-gpt2"])
+    for flags in runs:
+        code = probe.main(["--workload", "gpt", "--arm", "kaisa-adamw", "--seeds", "0",
+                           "--max-steps", "3", "--text-dir", str(corpus_dir), "--out", str(out),
+                           *flags])  # fmt: skip
+        assert code == 0
+        # The demo's own builders are back after the run.
+        assert (demo_train.build_demo_model, demo_train._make_preconditioner) == original
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[0]["tied_head"] is True and "model" not in rows[0]
+    if len(rows) > 1:
+        assert rows[1]["model"] == "hf-gpt2" and "tied_head" not in rows[1]
+    for r in rows:
+        assert r["stopped_at"] == 3 and math.isfinite(r["last"])
+    for bad in (["--workload", "vit", "--arm", "adamw", "--tied-head"],
+                ["--workload", "gpt", "--arm", "adamw", "--tied-head", "--hf-gpt2"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            probe.main([*bad, "--out", str(out)])
+    with pytest.raises(ValueError, match="gpt workload"):
+        probe.tied_gpt("vit", context=16)
