@@ -285,12 +285,10 @@ class SharedCurvature:
         its mean, 1 under relative damping; ``'adam'``: its square root).
         """
         q_g, _ = self._basis_and_values("g")
-        q_a, _ = self._basis_and_values("a")
-        values = self.eigenvalues()
-        if self.correction != "off":
-            self.allocate()
-            assert self.scales is not None
-            kron_mean = 1.0 if self.relative else values.mean()
+        q_a, _ = self._basis_and_values("a")  # (state_tensors allocated S, when corrected)
+        if self.scales is not None:
+            # μ = mean(Λ) as the damping sees it: 1 under relative damping.
+            kron_mean = 1.0 if self.relative else self.eigenvalues().mean()
             return self.scales.solve(
                 grad,
                 q_a,
@@ -301,6 +299,7 @@ class SharedCurvature:
                 self.relative,
                 kron_mean,
             ).contiguous()
+        values = self.eigenvalues()
         if self.relative:
             values = values / mean_scale(values)
         m = grad.to(self.work_dtype)
