@@ -71,6 +71,14 @@ def early_refresh(chosen: int) -> Callable[[int], int]:
     return at
 
 
+def _gpt_context(flag: str, name: str, context: int | None) -> int:
+    """The context of the demo's ``gpt`` model that ``flag`` replaces (``ValueError`` for
+    any other model)."""
+    if name != "gpt" or context is None:
+        raise ValueError(f"{flag} replaces the gpt workload's model only, not {name!r}")
+    return context
+
+
 def tied_gpt(
     name: str, image_shape: tuple[int, int, int] | None = None, *, context: int | None = None
 ) -> torch.nn.Module:
@@ -78,8 +86,7 @@ def tied_gpt(
     from kaisa.demo.text import VOCAB_SIZE
     from kaisa.models import build_model
 
-    if name != "gpt" or context is None:
-        raise ValueError(f"--tied-head builds the gpt workload's model only, not {name!r}")
+    context = _gpt_context("--tied-head", name, context)
     return build_model(name, vocab_size=VOCAB_SIZE, context=context, tied_head=True)
 
 
@@ -114,9 +121,7 @@ def hf_gpt2(
     """:class:`HFGPT2` in place of the demo's byte-level GPT."""
     from kaisa.demo.text import VOCAB_SIZE
 
-    if name != "gpt" or context is None:
-        raise ValueError(f"--hf-gpt2 replaces the gpt workload's model only, not {name!r}")
-    return HFGPT2(VOCAB_SIZE, context)
+    return HFGPT2(VOCAB_SIZE, _gpt_context("--hf-gpt2", name, context))
 
 
 def main(argv: list[str] | None = None, variant: str | None = None) -> int:

@@ -308,9 +308,8 @@ class Roster:
             f"kaisa: eigenvalue_correction={self.options.eigenvalue_correction!r} reaches "
             f"{len(self) - len(left)} of {len(self)} layers; the others keep K-FAC's solve: "
             f"{shown}{more} (a low-rank or Kronecker-vector side has no explicit eigenbasis). "
-            "curvature='exact', or a "
-            "curvature rule for these layers, lets it reach them; layers[i].corrected says "
-            "which it reaches"
+            "curvature='exact', or a curvature rule for these layers, lets it reach them; "
+            "layers[i].corrected says which it reaches"
         )
 
     def place(self, plan: WorkPlan, rank: int) -> None:

@@ -466,5 +466,6 @@ def test_steps_probe_swaps_in_the_tied_and_the_huggingface_gpt_for_its_run_only(
                 ["--workload", "gpt", "--arm", "adamw", "--tied-head", "--hf-gpt2"]):  # fmt: skip
         with pytest.raises(SystemExit):
             probe.main([*bad, "--out", str(out)])
-    with pytest.raises(ValueError, match="gpt workload"):
-        probe.tied_gpt("vit", context=16)
+    for build in (probe.tied_gpt, probe.hf_gpt2):
+        with pytest.raises(ValueError, match="gpt workload"):
+            build("vit", context=16)
