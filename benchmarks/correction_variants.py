@@ -1,10 +1,11 @@
 """Experiments on the eigenvalue correction that the library does not offer as options.
 
-``steps_probe.py`` with one of three in-process changes to kaisa's exact
-solve (issue 31's study of why the correction wins on the language model
-and loses on the image workloads). They are experiments, not library
-options: each patches one function or class of ``kaisa.curvature.block``
-before the run, and nothing here is asserted. Each row of ``--out`` names
+``steps_probe.py`` with in-process changes to kaisa's exact and corrected
+solves (issue 31's study of why the correction wins on the language model
+and loses on the image workloads, and of what would make it cheaper or
+take fewer steps). They are experiments, not library options: each patches
+a function or class of the library before the run, and nothing here is
+asserted. Each row of ``--out`` names
 the change (``variant``).
 
 ``--power P``
@@ -31,7 +32,22 @@ the change (``variant``).
     are decomposed alone and ``Q`` is block-diagonal, as blocked Shampoo
     does, which would make the decomposition and the per-step rotations
     cheaper for wide sides. Here ``Q`` is still stored and applied dense, so
-    only the steps are measured, not the time.
+    only the steps are measured, not the time. ``--block-sides REGEX``
+    blocks only the sides whose name (``layer.a``, ``layer.g``) matches.
+``--project-scales``
+    at each basis refresh ``S`` is carried into the new eigenbasis
+    (``S ← (R_G∘R_G) S (R_A∘R_A)ᵀ``, ``R = Q_newᵀ Q_old``) instead of being
+    kept in place, coordinate by coordinate.
+``--token-scales``
+    ``S`` is folded from each token's gradient ``δ_i āᵢᵀ`` (EKFAC's
+    per-example second moments) at the factor steps, instead of from the
+    batch gradient's square at every step (``nn.Linear`` layers).
+``--scale-power P``
+    ``'ekfac'`` divides by ``S^P`` rescaled to the factors' mean (``P = 1``:
+    the library).
+``--row-cap R``
+    factor products from every ``k``-th row, at most ``R`` of a call's
+    rows, scaled to the full sum (cheaper factors on long batches).
 
 Every other argument is ``steps_probe.py``'s::
 
@@ -79,12 +95,15 @@ def use_power(power: float) -> None:
     block.eigen_outer_inverse = scaled  # type: ignore[assignment]
 
 
-def use_blocks(size: int) -> None:
-    """Exact sides wider than ``size`` decomposed in diagonal blocks (block-diagonal ``Q``)."""
+def use_blocks(size: int, sides: str | None = None) -> None:
+    """Exact sides wider than ``size`` decomposed in diagonal blocks (block-diagonal ``Q``);
+    with ``sides``, only the sides whose name (``layer.a`` or ``layer.g``) matches it."""
     compute = rep.ExactSide._compute_state
+    regex = re.compile(sides) if sides is not None else None
 
     def blocked(self: Any, damping: float) -> list[torch.Tensor]:
-        if self.method != "eigen" or self.size <= size:
+        chosen = regex is None or regex.search(self.name)
+        if self.method != "eigen" or self.size <= size or not chosen:
             return compute(self, damping)
         n, factor = self.size, self.factor
         q = torch.zeros(n, n, dtype=self.inv_dtype, device=factor.device)
@@ -111,6 +130,137 @@ def correct_only(pattern: str) -> None:
         init(self, name, *args, **kwargs)
 
     block.KroneckerBlock.__init__ = patched  # type: ignore[method-assign]
+
+
+def project_scales() -> None:
+    """At each basis refresh, carry ``S`` into the new eigenbasis instead of keeping it in place.
+
+    ``R = Q_newᵀ Q_old`` per exact side; ``S ← (R_G∘R_G) S (R_A∘R_A)ᵀ``: each old
+    coordinate's second moment spread over the new coordinates by the squared
+    overlaps (the cross terms dropped), so an eigenvector that moved or swapped
+    places with its neighbour keeps its scale.
+    """
+    decompose = block.KroneckerBlock.decompose
+    finish = block.KroneckerBlock.finish_update
+
+    def stashed(self: Any, which: Any, damping: float) -> bool:
+        side = self.sides[which]
+        if self.eigen_scales is not None and self.eigen_scales.updates and side.state:
+            old = getattr(self, "_old_bases", {})
+            old[which] = side.work_state()[0].clone()
+            self._old_bases = old
+        return decompose(self, which, damping)
+
+    def projected(self: Any, damping: float) -> None:
+        finish(self, damping)
+        old = getattr(self, "_old_bases", None)
+        if not old or self.eigen_scales is None:
+            return
+        s = self.eigen_scales.scales
+        new = {w: self.sides[w].work_state()[0] for w in old}
+        if "g" in old:
+            r = (new["g"].t() @ old["g"]).to(s.dtype).square_()
+            s = r @ s
+        if "a" in old:
+            r = (new["a"].t() @ old["a"]).to(s.dtype).square_()
+            s = s @ r.t()
+        self.eigen_scales.scales.copy_(s)
+        self._old_bases = {}
+
+    block.KroneckerBlock.decompose = stashed  # type: ignore[method-assign]
+    block.KroneckerBlock.finish_update = projected  # type: ignore[method-assign]
+
+
+def token_scales() -> None:
+    """``S`` from each token's gradient (EKFAC's per-example second moments), not the batch's.
+
+    A linear layer's token ``i`` has the gradient ``δ_i āᵢᵀ``; in the Kronecker
+    eigenbasis its square is ``(Q_Gᵀδ_i)² (Q_Aᵀā_i)²ᵀ``, and their sum over the
+    step's ``N`` tokens is one matrix product,
+    ``((Δ Q_G)∘(Δ Q_G))ᵀ ((Ā Q_A)∘(Ā Q_A)) / N``. It is folded into ``S`` at the
+    factor steps only (where the rows are captured; ``eigenvalue_decay`` per
+    fold), and the batch gradient's square is not folded at all. Layers that
+    are not ``nn.Linear`` keep the batch gradient's square.
+    """
+    import kaisa.capture as capture
+    from kaisa.curvature.eigencorrection import corrected_solve
+    from kaisa.layers.linear import LinearHandler
+
+    rows: dict[str, dict[str, torch.Tensor]] = {}
+    linear: set[str] = set()
+    accumulate = capture.LayerCaptures.accumulate
+    precondition = block.KroneckerBlock.precondition
+
+    def stashed(self: Any, which: str, x: torch.Tensor) -> None:
+        if isinstance(self.handler, LinearHandler) and x.is_floating_point():
+            r = x.reshape(-1, x.shape[-1]).float()
+            if which == "a" and self.handler.has_bias:
+                r = torch.cat([r, r.new_ones(r.shape[0], 1)], dim=1)
+            rows.setdefault(self.name, {})[which] = r
+            linear.add(self.name)
+        accumulate(self, which, x)
+
+    def solved(self: Any, grad: torch.Tensor, damping: float) -> torch.Tensor:
+        es = self.eigen_scales
+        if es is None or self.name not in linear:
+            return precondition(self, grad, damping)  # the library's solve and fold
+        a, g = self.sides["a"], self.sides["g"]
+        qa, qg = (
+            side.work_state()[0] if isinstance(side, rep.ExactSide) else None for side in (a, g)
+        )
+        if len(rows.get(self.name, {})) == 2:
+            step = rows.pop(self.name)
+            a_rot = step["a"] @ qa if qa is not None else step["a"]
+            g_rot = step["g"] @ qg if qg is not None else step["g"]
+            tokens = (g_rot.square().t() @ a_rot.square()).div_(a_rot.shape[0])
+            k = es.updates
+            xi = min(self.correction_decay, k / (k + 1))
+            es.scales.mul_(xi).add_(tokens, alpha=1.0 - xi)
+            es.updates += 1
+        relative = self.damping_mode == "relative"
+        kron_mean = 1.0 if relative else g.mean_eigenvalue() * a.mean_eigenvalue()
+        return corrected_solve(
+            grad, qa, qg, es.scales, damping, self.correction, relative, kron_mean
+        ).contiguous()
+
+    capture.LayerCaptures.accumulate = stashed  # type: ignore[method-assign]
+    block.KroneckerBlock.precondition = solved  # type: ignore[method-assign]
+
+
+def scale_power(power: float) -> None:
+    """``'ekfac'`` divides by ``S^power`` rescaled to the factors' mean (1: the library's)."""
+    import kaisa.curvature.eigencorrection as ec
+
+    divisor = ec.divisor
+
+    def powered(
+        scales: torch.Tensor, damping: float, correction: Any, relative: bool, kron_mean: Any = 1.0
+    ) -> torch.Tensor:
+        if correction == "ekfac":
+            scales = scales.clamp_min(0).pow(power)
+        return divisor(scales, damping, correction, relative, kron_mean)
+
+    ec.divisor = powered
+
+
+def cap_rows(cap: int) -> None:
+    """Factor products from every ``k``-th row, ``k = ⌈R/cap⌉`` (at most ``cap`` of a call's
+    ``R`` rows), scaled by ``R`` over the rows used: an estimate of the full sum at
+    about ``cap/R`` of its cost (linear layers, and whatever else uses ``gram``)."""
+    import kaisa.layers.base as base
+    import kaisa.layers.linear as linear
+
+    gram = base.gram
+
+    def capped(rows: torch.Tensor, out: torch.Tensor | None, scale: float = 1.0) -> torch.Tensor:
+        n = rows.shape[0]
+        if n <= cap:
+            return gram(rows, out, scale)
+        sub = rows[:: -(-n // cap)]
+        return gram(sub, out, scale * n / sub.shape[0])
+
+    base.gram = capped
+    linear.gram = capped  # type: ignore[attr-defined]
 
 
 def layer_fit(layer: Any) -> dict[str, Any] | None:
@@ -158,6 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--correct-layers", default=None, metavar="REGEX")
     p.add_argument("--diagnose", type=Path, default=None, metavar="FILE")
     p.add_argument("--block-size", type=int, default=None, metavar="B")
+    p.add_argument("--block-sides", default=None, metavar="REGEX")
+    p.add_argument("--project-scales", action="store_const", const="on", default=None)
+    p.add_argument("--token-scales", action="store_const", const="on", default=None)
+    p.add_argument("--scale-power", type=float, default=None, metavar="P")
+    p.add_argument("--row-cap", type=int, default=None, metavar="R")
     ours, rest = p.parse_known_args(argv)
     given = {k.replace("_", "-"): v for k, v in vars(ours).items() if v is not None}
     variant = " ".join(f"--{name} {value}" for name, value in given.items())
@@ -165,10 +320,24 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < ours.power <= 2:
             p.error(f"--power must be in (0, 2]; got {ours.power}")
         use_power(ours.power)
+    if ours.block_sides is not None and ours.block_size is None:
+        p.error("--block-sides needs --block-size")
     if ours.block_size is not None:
         if ours.block_size < 1:
             p.error(f"--block-size must be a positive integer; got {ours.block_size}")
-        use_blocks(ours.block_size)
+        use_blocks(ours.block_size, ours.block_sides)
+    if ours.project_scales is not None:
+        project_scales()
+    if ours.token_scales is not None:
+        token_scales()
+    if ours.scale_power is not None:
+        if not 0 < ours.scale_power <= 2:
+            p.error(f"--scale-power must be in (0, 2]; got {ours.scale_power}")
+        scale_power(ours.scale_power)
+    if ours.row_cap is not None:
+        if ours.row_cap < 1:
+            p.error(f"--row-cap must be a positive integer; got {ours.row_cap}")
+        cap_rows(ours.row_cap)
     if ours.correct_layers is not None:
         correct_only(ours.correct_layers)
     if ours.diagnose is not None:
