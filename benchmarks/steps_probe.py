@@ -28,7 +28,10 @@ with HuggingFace transformers' ``GPT2LMHeadModel`` of the same shape (d 128,
 3 layers, 4 heads, context 64, the 256 bytes; no dropout; its head tied to
 ``wte`` as GPT-2's is; ``Conv1D`` projections and learned positions; the
 row's ``model`` is ``'hf-gpt2'``): a language model as users bring it, not
-one written here. ::
+one written here. ``--hf-llama`` likewise with ``LlamaForCausalLM`` (d 128,
+3 layers, 4 heads, SwiGLU MLP 344 wide, RMSNorm, rotary positions, separate
+Q/K/V/O projections without biases, an untied head; 659,328 parameters
+against the ``gpt`` model's 668,800; ``model`` ``'hf-llama'``). ::
 
     python benchmarks/steps_probe.py --workload vit --arm kaisa-adamw --lr 0.008 \\
         --seeds 0,1 --kfac '{"time_budget": 1.0}'
@@ -90,26 +93,14 @@ def tied_gpt(
     return build_model(name, vocab_size=VOCAB_SIZE, context=context, tied_head=True)
 
 
-class HFGPT2(torch.nn.Module):
-    """transformers' GPT-2 LM of the demo ``gpt``'s shape, returning its logits."""
+class HFCausalLM(torch.nn.Module):
+    """A transformers causal LM built from ``config`` by ``model_class``, returning its logits."""
 
-    def __init__(self, vocab_size: int, context: int) -> None:
+    def __init__(self, model_class: str, config: Any) -> None:
         super().__init__()
         import transformers
 
-        config = transformers.GPT2Config(
-            vocab_size=vocab_size,
-            n_positions=context,
-            n_embd=128,
-            n_layer=3,
-            n_head=4,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-        self.lm = transformers.GPT2LMHeadModel(config)
+        self.lm = getattr(transformers, model_class)(config)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=idx).logits  # type: ignore[no-any-return]
@@ -118,10 +109,58 @@ class HFGPT2(torch.nn.Module):
 def hf_gpt2(
     name: str, image_shape: tuple[int, int, int] | None = None, *, context: int | None = None
 ) -> torch.nn.Module:
-    """:class:`HFGPT2` in place of the demo's byte-level GPT."""
+    """transformers' GPT-2 LM of the demo ``gpt``'s shape in place of the demo's GPT."""
+    context = _gpt_context("--hf-gpt2", name, context)
+    import transformers
+
     from kaisa.demo.text import VOCAB_SIZE
 
-    return HFGPT2(VOCAB_SIZE, _gpt_context("--hf-gpt2", name, context))
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB_SIZE,
+        n_positions=context,
+        n_embd=128,
+        n_layer=3,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return HFCausalLM("GPT2LMHeadModel", config)
+
+
+def hf_llama(
+    name: str, image_shape: tuple[int, int, int] | None = None, *, context: int | None = None
+) -> torch.nn.Module:
+    """transformers' Llama LM of about the demo ``gpt``'s size in place of the demo's GPT."""
+    context = _gpt_context("--hf-llama", name, context)
+    import transformers
+
+    from kaisa.demo.text import VOCAB_SIZE
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=344,  # SwiGLU's three matrices at about the 4x MLP's size
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=context,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return HFCausalLM("LlamaForCausalLM", config)
+
+
+#: The models that replace the ``gpt`` workload's: flag, builder and the row's marker.
+MODELS: dict[str, tuple[Any, tuple[str, Any]]] = {
+    "--tied-head": (tied_gpt, ("tied_head", True)),
+    "--hf-gpt2": (hf_gpt2, ("model", "hf-gpt2")),
+    "--hf-llama": (hf_llama, ("model", "hf-llama")),
+}
 
 
 def main(argv: list[str] | None = None, variant: str | None = None) -> int:
@@ -151,12 +190,17 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
     p.add_argument(
         "--hf-gpt2", action="store_true", help="gpt only: HuggingFace's GPT-2 of the same shape"
     )
+    p.add_argument(
+        "--hf-llama", action="store_true", help="gpt only: HuggingFace's Llama of about its size"
+    )
     args = p.parse_args(argv)
-    for flag, on in (("--tied-head", args.tied_head), ("--hf-gpt2", args.hf_gpt2)):
-        if on and args.workload != "gpt":
+    given = [flag for flag in MODELS if getattr(args, flag[2:].replace("-", "_"))]
+    for flag in given:
+        if args.workload != "gpt":
             p.error(f"{flag} applies to --workload gpt only, not {args.workload}")
-    if args.tied_head and args.hf_gpt2:
-        p.error("--tied-head and --hf-gpt2 are two models; give one")
+    if len(given) > 1:
+        p.error(f"{' and '.join(given)} are {len(given)} models; give one")
+    build, marker = MODELS[given[0]] if given else (None, None)
     extra: dict[str, Any] = kfac_json(args.kfac)
     if not isinstance(extra, dict):
         p.error("--kfac must be a JSON object")
@@ -184,10 +228,8 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
     saved = demo_train._make_preconditioner, demo_train.build_demo_model
     try:
         demo_train._make_preconditioner = make  # the demo's run, these options
-        if args.tied_head:
-            demo_train.build_demo_model = tied_gpt  # type: ignore[assignment]
-        if args.hf_gpt2:
-            demo_train.build_demo_model = hf_gpt2  # type: ignore[assignment]
+        if build is not None:
+            demo_train.build_demo_model = build
         argv_demo = ["--workload", args.workload, "--arms", args.arm,
                      "--threads", str(args.threads), "--no-progress", "--stop-at-target",
                      "--out", "/tmp/steps_probe"]  # fmt: skip
@@ -221,10 +263,8 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
                 "last": None if result.final_value is None else round(result.final_value, 4),
                 "wall_s": round(time.time() - start, 1),
             }
-            if args.tied_head:
-                row["tied_head"] = True
-            if args.hf_gpt2:
-                row["model"] = "hf-gpt2"
+            if marker is not None:
+                row[marker[0]] = marker[1]
             if variant is not None:
                 row["variant"] = variant
             choice = result.kfac_choice

@@ -433,7 +433,7 @@ def test_steps_probe_runs_any_arm_on_the_language_model(
 
 
 @pytest.mark.timeout(180)
-def test_steps_probe_swaps_in_the_tied_and_the_huggingface_gpt_for_its_run_only(
+def test_steps_probe_swaps_in_the_tied_and_the_huggingface_models_for_its_run_only(
     corpus_dir: Path, tmp_path: Path
 ) -> None:
     from kaisa.demo import train as demo_train
@@ -448,7 +448,10 @@ def test_steps_probe_swaps_in_the_tied_and_the_huggingface_gpt_for_its_run_only(
         hf = probe.hf_gpt2("gpt", context=16)
         assert hf(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 256)
         assert hf.lm.lm_head.weight is hf.lm.transformer.wte.weight
-        runs.append(["--hf-gpt2"])
+        llama = probe.hf_llama("gpt", context=16)
+        assert llama(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 256)
+        assert llama.lm.lm_head.weight is not llama.lm.model.embed_tokens.weight
+        runs += [["--hf-gpt2"], ["--hf-llama"]]
     for flags in runs:
         code = probe.main(["--workload", "gpt", "--arm", "kaisa-adamw", "--seeds", "0",
                            "--max-steps", "3", "--text-dir", str(corpus_dir), "--out", str(out),
@@ -460,12 +463,15 @@ def test_steps_probe_swaps_in_the_tied_and_the_huggingface_gpt_for_its_run_only(
     assert rows[0]["tied_head"] is True and "model" not in rows[0]
     if len(rows) > 1:
         assert rows[1]["model"] == "hf-gpt2" and "tied_head" not in rows[1]
+        assert rows[2]["model"] == "hf-llama" and "tied_head" not in rows[2]
     for r in rows:
         assert r["stopped_at"] == 3 and math.isfinite(r["last"])
     for bad in (["--workload", "vit", "--arm", "adamw", "--tied-head"],
-                ["--workload", "gpt", "--arm", "adamw", "--tied-head", "--hf-gpt2"]):  # fmt: skip
+                ["--workload", "vit", "--arm", "adamw", "--hf-llama"],
+                ["--workload", "gpt", "--arm", "adamw", "--tied-head", "--hf-gpt2"],
+                ["--workload", "gpt", "--arm", "adamw", "--hf-gpt2", "--hf-llama"]):  # fmt: skip
         with pytest.raises(SystemExit):
             probe.main([*bad, "--out", str(out)])
-    for build in (probe.tied_gpt, probe.hf_gpt2):
+    for build in (probe.tied_gpt, probe.hf_gpt2, probe.hf_llama):
         with pytest.raises(ValueError, match="gpt workload"):
             build("vit", context=16)
