@@ -51,6 +51,25 @@ def _llama(tied: bool) -> nn.Module:
     return hf.LlamaForCausalLM(config)
 
 
+def _train_finitely(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    pre: kaisa.KFACPreconditioner,
+    batch: dict[str, torch.Tensor],
+) -> None:
+    """Three steps of ``model`` on ``batch``: finite losses, finite weights."""
+    losses = []
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        pre.step()
+        optimizer.step()
+        losses.append(float(loss))
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 #: name -> (build, inputs, the ≥2-D parameters left raw today)
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any], set[str]]] = {
     "gpt2": (
@@ -176,16 +195,35 @@ def test_a_tiny_hf_model_trains_and_is_preconditioned_but_for_what_a_warning_nam
         params[t.parameter].numel() for t in counted
     )
     assert share >= 0.99, (name, share, raw)
-    batch = inputs(model)
-    losses = []
-    for _ in range(3):
-        optimizer.zero_grad()
-        loss = model(**batch).loss
-        loss.backward()
-        pre.step()
-        optimizer.step()
-        losses.append(float(loss))
-    assert all(torch.isfinite(torch.tensor(losses))), losses
-    assert all(torch.isfinite(p).all() for p in model.parameters())
+    _train_finitely(model, optimizer, pre, inputs(model))
     assert sum(layer.block.updates >= 1 for layer in pre.layers) >= len(pre.layers) - 2
     assert pre.steps == 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_language_model_configuration_corrects_every_llama_layer(tied: bool) -> None:
+    # docs/language-models.md's configuration on the architecture people train
+    # today (SwiGLU, RMSNorm, rotary positions, grouped K/V): every layer is
+    # preconditioned and corrected, the tied embedding and head included, with
+    # no warning, and it trains finitely.
+    torch.manual_seed(0)
+    model = _llama(tied)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pre = kaisa.KFACPreconditioner(
+            model,
+            optimizer=optimizer,
+            curvature="exact",
+            factor_update_steps=5,
+            inv_update_steps=10,
+            eigenvalue_correction="ekfac",
+        )
+    assert not [str(w.message) for w in caught if "kaisa" in str(w.message)]
+    # 2 blocks × (q, k, v, o, gate, up, down), the head and the embedding.
+    assert len(pre.layers) == 2 * 7 + 2
+    assert all(layer.corrected for layer in pre.layers)
+    assert all(t.kind != "raw" for t in pre.coverage() if "norm" not in t.parameter)
+    _train_finitely(model, optimizer, pre, _tokens(model))
