@@ -37,7 +37,9 @@ the change (``variant``).
 ``--project-scales``
     at each basis refresh ``S`` is carried into the new eigenbasis
     (``S ← (R_G∘R_G) S (R_A∘R_A)ᵀ``, ``R = Q_newᵀ Q_old``) instead of being
-    kept in place, coordinate by coordinate.
+    kept in place, coordinate by coordinate. ``--match-scales``: each new
+    eigenvector takes the ``S`` of the old one an assignment on ``|Q_newᵀQ_old|``
+    pairs it with (no moment mixed).
 ``--token-scales``
     ``S`` is folded from each token's gradient ``δ_i āᵢᵀ`` (EKFAC's
     per-example second moments) at the factor steps, instead of from the
@@ -132,14 +134,19 @@ def correct_only(pattern: str) -> None:
     block.KroneckerBlock.__init__ = patched  # type: ignore[method-assign]
 
 
-def project_scales() -> None:
+def carry_scales(match: bool) -> None:
     """At each basis refresh, carry ``S`` into the new eigenbasis instead of keeping it in place.
 
-    ``R = Q_newᵀ Q_old`` per exact side; ``S ← (R_G∘R_G) S (R_A∘R_A)ᵀ``: each old
-    coordinate's second moment spread over the new coordinates by the squared
-    overlaps (the cross terms dropped), so an eigenvector that moved or swapped
-    places with its neighbour keeps its scale.
+    ``R = Q_newᵀ Q_old`` per exact side. Projected (``match`` false):
+    ``S ← (R_G∘R_G) S (R_A∘R_A)ᵀ``, each old coordinate's second moment spread
+    over the new coordinates by the squared overlaps (the cross terms dropped).
+    Matched: each new eigenvector takes the ``S`` of the old one it is paired
+    with, the pairing that maximises the total ``|R|`` (an assignment, so no
+    moment is mixed or used twice), so an eigenvector that swapped places with
+    its neighbour keeps its own scale.
     """
+    from scipy.optimize import linear_sum_assignment
+
     decompose = block.KroneckerBlock.decompose
     finish = block.KroneckerBlock.finish_update
 
@@ -151,7 +158,16 @@ def project_scales() -> None:
             self._old_bases = old
         return decompose(self, which, damping)
 
-    def projected(self: Any, damping: float) -> None:
+    def carried(r: torch.Tensor) -> torch.Tensor:
+        """The matrix ``M`` (new × old) with ``S_new = M S_old`` on that side."""
+        if not match:
+            return r.square()
+        _, old_of_new = linear_sum_assignment(r.abs().double().cpu().numpy(), maximize=True)
+        m = torch.zeros_like(r)
+        m[torch.arange(r.shape[0]), torch.as_tensor(old_of_new, device=r.device)] = 1.0
+        return m
+
+    def moved(self: Any, damping: float) -> None:
         finish(self, damping)
         old = getattr(self, "_old_bases", None)
         if not old or self.eigen_scales is None:
@@ -159,16 +175,14 @@ def project_scales() -> None:
         s = self.eigen_scales.scales
         new = {w: self.sides[w].work_state()[0] for w in old}
         if "g" in old:
-            r = (new["g"].t() @ old["g"]).to(s.dtype).square_()
-            s = r @ s
+            s = carried((new["g"].t() @ old["g"]).to(s.dtype)) @ s
         if "a" in old:
-            r = (new["a"].t() @ old["a"]).to(s.dtype).square_()
-            s = s @ r.t()
+            s = s @ carried((new["a"].t() @ old["a"]).to(s.dtype)).t()
         self.eigen_scales.scales.copy_(s)
         self._old_bases = {}
 
     block.KroneckerBlock.decompose = stashed  # type: ignore[method-assign]
-    block.KroneckerBlock.finish_update = projected  # type: ignore[method-assign]
+    block.KroneckerBlock.finish_update = moved  # type: ignore[method-assign]
 
 
 def token_scales() -> None:
@@ -310,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=None, metavar="B")
     p.add_argument("--block-sides", default=None, metavar="REGEX")
     p.add_argument("--project-scales", action="store_const", const="on", default=None)
+    p.add_argument("--match-scales", action="store_const", const="on", default=None)
     p.add_argument("--token-scales", action="store_const", const="on", default=None)
     p.add_argument("--scale-power", type=float, default=None, metavar="P")
     p.add_argument("--row-cap", type=int, default=None, metavar="R")
@@ -326,8 +341,10 @@ def main(argv: list[str] | None = None) -> int:
         if ours.block_size < 1:
             p.error(f"--block-size must be a positive integer; got {ours.block_size}")
         use_blocks(ours.block_size, ours.block_sides)
-    if ours.project_scales is not None:
-        project_scales()
+    if ours.project_scales is not None and ours.match_scales is not None:
+        p.error("--project-scales and --match-scales are two ways to carry S; give one")
+    if ours.project_scales is not None or ours.match_scales is not None:
+        carry_scales(match=ours.match_scales is not None)
     if ours.token_scales is not None:
         token_scales()
     if ours.scale_power is not None:
