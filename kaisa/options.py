@@ -315,6 +315,22 @@ class KFACOptions:
             (default 0.99, a window of about 100 steps; on the ViT workload
             0.95 cost 'ekfac' 23% more steps, and on the language model the
             two were level: ``benchmarks/README.md``).
+        eigenbasis_tolerance: ``None`` (default: every inverse update
+            decomposes), or a share in ``[0, 1)``: at an inverse update, an
+            exact side held with the eigen method keeps its eigenbasis ``Q``
+            while ``Q`` still diagonalises the current factor ``F`` to within
+            it (``‖offdiag(QᵀFQ)‖_F ≤ tolerance · ‖QᵀFQ‖_F``) and refreshes only
+            its eigenvalues, to ``diag(QᵀFQ)``: two matrix products instead of
+            a decomposition. Bases are then refreshed when they have gone
+            stale rather than on a clock; give it with ``inv_update_steps``
+            equal to ``factor_update_steps``, so that any factor update can
+            refresh them. Tied weights' shared bases follow the same rule.
+            ``telemetry.kept_eigenbases`` counts the decompositions saved. On
+            three small language models with ``eigenvalue_correction='ekfac'``
+            and factors and inverses every 5 steps, 0.05 decomposed 41–53% of
+            the time and took 0–11% fewer steps than inverses every 10 at
+            about its step time (``benchmarks/README.md``, session 22; not
+            measured on image models).
         grafting: 'off', or 'layer': each layer's preconditioned gradient is
             rescaled to the raw gradient's Frobenius norm before KL clipping,
             so kaisa keeps the step size the optimizer behind it was tuned for
@@ -368,6 +384,7 @@ class KFACOptions:
     calibrate_budget: bool = False
     eigenvalue_correction: EigenCorrection = "off"
     eigenvalue_decay: float = 0.99
+    eigenbasis_tolerance: float | None = None
     grafting: Grafting = "off"
     cost_model: CostModel = DEFAULT_COST_MODEL
     # Derived, validated views.
@@ -462,6 +479,11 @@ class KFACOptions:
         set_(self, "grafting", one_of("grafting", self.grafting, GRAFTINGS))
         check_cost_model(self.cost_model)
         check_number(self.eigenvalue_decay, "eigenvalue_decay", low=0.0, high=1.0, high_open=True)
+        if self.eigenbasis_tolerance is not None:
+            tolerance = check_number(
+                self.eigenbasis_tolerance, "eigenbasis_tolerance", low=0.0, high=1.0, high_open=True
+            )
+            set_(self, "eigenbasis_tolerance", tolerance)
         for name in (
             "colocate_factors",
             "compute_eigenvalue_outer_product",

@@ -155,6 +155,7 @@ class KFACPreconditioner(StateDictOnly):
         calibrate_budget: bool = False,
         eigenvalue_correction: str = "off",
         eigenvalue_decay: float = 0.99,
+        eigenbasis_tolerance: float | None = None,
         grafting: str = "off",
         cost_model: CostModel = DEFAULT_COST_MODEL,
         process_group: dist.ProcessGroup | None = None,
@@ -508,8 +509,10 @@ class KFACPreconditioner(StateDictOnly):
                 for which, owner in (("a", assignment.a_rank), ("g", assignment.g_rank)):
                     if owner != rank:
                         continue
+                    self.telemetry.side_refreshes += 1
                     if layer.decompose(which, damping):  # type: ignore[arg-type]
                         done.append(which)  # type: ignore[arg-type]
+                        self.telemetry.kept_eigenbases += layer.basis_kept(which)  # type: ignore[arg-type]
                     else:
                         self.telemetry.failed_decompositions += 1
                 # Too coarse in float32 for this damping: redone in float64.

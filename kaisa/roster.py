@@ -80,6 +80,13 @@ class Layer:
             return self.shared.decompose(which, damping)
         return self.block.decompose(which, damping)
 
+    def basis_kept(self, which: Factor) -> bool:
+        """Whether side ``which``'s last refresh kept its held eigenbasis
+        (``eigenbasis_tolerance``)."""
+        if self.shared is not None:
+            return self.shared.kept[which]
+        return self.block.basis_kept(which)
+
     def refine(self, done: Sequence[Factor], damping: float) -> dict[Factor, float]:
         """The block's float64 redo (:meth:`KroneckerBlock.refine`); none for a shared weight."""
         return {} if self.shared is not None else self.block.refine(done, damping)
@@ -227,6 +234,7 @@ class Roster:
                 relative=options.damping_mode == "relative",
                 correction=options.eigenvalue_correction,
                 correction_decay=options.eigenvalue_decay,
+                basis_tolerance=options.eigenbasis_tolerance,
             )
             for name, _ in tie.uses[1:]:
                 by_name[name].tied_to = owner.name
@@ -276,6 +284,7 @@ class Roster:
             g_spec=specs[1],
             correction=o.eigenvalue_correction,
             correction_decay=o.eigenvalue_decay,
+            basis_tolerance=o.eigenbasis_tolerance,
         )
 
     def install(self, specs: Mapping[str, tuple[str, str]], keys: KeysFor) -> None:

@@ -70,6 +70,11 @@ class Telemetry:
         skipped_factor_updates: factor updates dropped because of NaN/Inf.
         outlier_factor_updates: layer batch factors refused as outlier batches (held
             back, and the next update was back at the running average's scale).
+        side_refreshes: refreshes of a side's second-order state this rank ran
+            (one per side owned, at each inverse-update step; failed ones too).
+        kept_eigenbases: of those, refreshes that kept the held eigenbasis and
+            refreshed only the eigenvalues (``eigenbasis_tolerance``): each one
+            a decomposition saved.
         failed_decompositions: decompositions that failed (state kept).
         float64_decompositions: float32 eigendecompositions redone in float64
             because the damped solve would have been inaccurate
@@ -95,6 +100,8 @@ class Telemetry:
         self.steps = 0
         self.skipped_factor_updates = 0
         self.outlier_factor_updates = 0
+        self.side_refreshes = 0
+        self.kept_eigenbases = 0
         self.failed_decompositions = 0
         self.float64_decompositions = 0
         self.kl_clipped_steps = 0
@@ -154,6 +161,8 @@ class Telemetry:
             f"Telemetry(steps={self.steps}, phases=[{phases}], bytes={sent}, "
             f"skipped_factor_updates={self.skipped_factor_updates}, "
             f"outlier_factor_updates={self.outlier_factor_updates}, "
+            f"side_refreshes={self.side_refreshes}, "
+            f"kept_eigenbases={self.kept_eigenbases}, "
             f"failed_decompositions={self.failed_decompositions}, "
             f"float64_decompositions={self.float64_decompositions}, "
             f"kl_clipped_steps={self.kl_clipped_steps})"
@@ -170,6 +179,8 @@ class Telemetry:
             "last_step_elements": dict(self.last_step_elements),
             "skipped_factor_updates": self.skipped_factor_updates,
             "outlier_factor_updates": self.outlier_factor_updates,
+            "side_refreshes": self.side_refreshes,
+            "kept_eigenbases": self.kept_eigenbases,
             "failed_decompositions": self.failed_decompositions,
             "float64_decompositions": self.float64_decompositions,
             "kl_clipped_steps": self.kl_clipped_steps,

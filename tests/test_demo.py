@@ -568,6 +568,7 @@ def _corrupt(d: Path) -> Path:
         ),
         (lambda d, t: ["--data-dir", str(d), "--curvature", "dense"], "'exact', 'lowrank:K'"),
         (lambda d, t: ["--data-dir", str(d), "--eigenvalue-correction", "on"], "'ekfac'"),
+        (lambda d, t: ["--data-dir", str(d), "--eigenbasis-tolerance", "1"], "in [0, 1)"),
         (lambda d, t: ["--data-dir", str(d), "--no-such-option"], "unrecognized"),
     ],
 )
@@ -639,6 +640,7 @@ def test_curvature_and_the_eigenvalue_correction_reach_both_kaisa_arms() -> None
     suite = _suite(
         "--workload", "gpt", "--arms", "adamw,kaisa-sgd,kaisa-adamw", "--curvature", "Exact",
         "--eigenvalue-correction", "ekfac", "--factor-update-steps", "5",
+        "--eigenbasis-tolerance", "0.05",
     )  # fmt: skip
     for arm in suite.workloads[0].arms:
         if arm.name == "adamw":
@@ -649,6 +651,7 @@ def test_curvature_and_the_eigenvalue_correction_reach_both_kaisa_arms() -> None
             "factor_update_steps": 5,
             "curvature": "exact",
             "eigenvalue_correction": "ekfac",
+            "eigenbasis_tolerance": 0.05,
         }
     assert _suite("--curvature", "lowrank:16").workloads[0].arms[4].kfac.overrides() == {
         "curvature": "lowrank:16"

@@ -278,6 +278,14 @@ def test_grafting_gives_each_layer_the_raw_gradient_norm(correction: str) -> Non
         ({"grafting": "global"}, ValueError, "grafting must be one of 'off', 'layer'"),
         ({"eigenvalue_decay": 1.0}, ValueError, "eigenvalue_decay must be a number >= 0 and < 1"),
         ({"eigenvalue_decay": "0.9"}, TypeError, "eigenvalue_decay must be a number"),
+        (
+            {"eigenbasis_tolerance": 1.0},
+            ValueError,
+            "eigenbasis_tolerance must be a number >= 0 and < 1",
+        ),
+        ({"eigenbasis_tolerance": -0.1}, ValueError, "eigenbasis_tolerance must be a number >= 0"),
+        ({"eigenbasis_tolerance": "0.1"}, TypeError, "eigenbasis_tolerance must be a number"),
+        ({"eigenbasis_tolerance": True}, TypeError, "eigenbasis_tolerance must be a number"),
     ],
 )
 def test_bad_options_are_refused_by_name(

@@ -131,7 +131,11 @@ class KroneckerBlock:
     A layer with a side that is not exact is solved side by side,
     ``P = (G/s_G + γ_G I)⁻¹ ∇ (A/s_A + γ_A I)⁻¹`` with ``γ_A γ_G = γ``
     (:func:`~kaisa.curvature.representations.split_damping`); its exact sides
-    then use the eigen form whatever ``method`` says.
+    then use the eigen form whatever ``method`` says. ``basis_tolerance``
+    (``eigenbasis_tolerance``): a refresh of an exact eigen side keeps the
+    held eigenbasis while it diagonalises the factor to within this share
+    (:func:`~kaisa.curvature.linalg.held_basis`), and refreshes only the
+    eigenvalues.
     """
 
     def __init__(
@@ -151,6 +155,7 @@ class KroneckerBlock:
         g_spec: SideSpec | str = "exact",
         correction: EigenCorrection = "off",
         correction_decay: float = 0.99,
+        basis_tolerance: float | None = None,
     ) -> None:
         self.name = name
         self.damping_mode: DampingMode = damping_mode
@@ -195,6 +200,7 @@ class KroneckerBlock:
                 factor_dtype=factor_dtype,
                 inv_dtype=inv_dtype,
                 relative=damping_mode == "relative",
+                basis_tolerance=basis_tolerance,
             )
         self.outer_inverse: torch.Tensor | None = None
 
@@ -314,6 +320,12 @@ class KroneckerBlock:
             return False
         return True
 
+    def basis_kept(self, which: Factor) -> bool:
+        """Whether side ``which``'s last refresh kept its held eigenbasis
+        (``eigenbasis_tolerance``)."""
+        side = self.sides[which]
+        return isinstance(side, ExactSide) and side.basis_kept
+
     def refine(self, sides: Sequence[Factor], damping: float) -> dict[Factor, float]:
         """Redo in float64 the float32 eigendecompositions among ``sides`` that are too coarse.
 
@@ -354,6 +366,7 @@ class KroneckerBlock:
         return (
             isinstance(side, ExactSide)
             and side.method == "eigen"
+            and not side.basis_kept  # its basis was decomposed before, and still fits
             and self.correction == "off"
             and compute_dtype(side.factor.dtype) != torch.float64
         )

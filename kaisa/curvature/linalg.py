@@ -54,6 +54,30 @@ def symmetric_eigen(
     raise DecompositionError(f"eigendecomposition failed: {last_error}") from last_error
 
 
+def held_basis(
+    factor: torch.Tensor, basis: torch.Tensor, tolerance: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(Q, diag(QᵀFQ))`` when the held basis ``Q`` still diagonalises ``F``; else ``None``.
+
+    ``Q`` still diagonalises ``F`` when the off-diagonal share of ``M = QᵀFQ``,
+    ``‖M − diag(M)‖_F / ‖M‖_F`` (in ``[0, 1]``; 0 for an eigenbasis of ``F``),
+    is at most ``tolerance``. The diagonal (Rayleigh quotients, at least 0 for a
+    positive semi-definite ``F``) then stands for the eigenvalues: the best
+    values in that basis. For an orthogonal ``Q`` both norms are those of
+    ``FQ`` and of ``FQ − Q diag(M)``, so one ``n × n`` product decides (a
+    decomposition costs many), in at least float32, with one host sync: the
+    check that lets a refresh keep its basis (``eigenbasis_tolerance``).
+    """
+    dtype = compute_dtype(factor.dtype)
+    q = basis.to(dtype)
+    fq = factor.to(dtype) @ q
+    diagonal = (q * fq).sum(dim=0)
+    off = (fq - q * diagonal).norm()
+    if not bool(off <= tolerance * fq.norm()):
+        return None
+    return basis, diagonal.clamp_min(0)
+
+
 def damped_inverse(factor: torch.Tensor, damping: float, out_dtype: torch.dtype) -> torch.Tensor:
     """``(F + γI)⁻¹`` via Cholesky in at least float32 (float64 on failure)."""
     if not bool(torch.isfinite(factor).all()):

@@ -81,6 +81,7 @@ from kaisa.curvature.linalg import (
     compute_dtype,
     damped_inverse,
     fold_running_average,
+    held_basis,
     mean_scale,
     symmetric_eigen,
 )
@@ -319,9 +320,22 @@ class ExactSide(Side):
     capture = "gram"
     state_powers = (0.0, 1.0)  # Q, λ (the eigen method; see _state_powers)
 
-    def __init__(self, name: str, size: int, *, method: str = "eigen", **kw: object) -> None:
+    def __init__(
+        self,
+        name: str,
+        size: int,
+        *,
+        method: str = "eigen",
+        basis_tolerance: float | None = None,
+        **kw: object,
+    ) -> None:
         super().__init__(name, size, **kw)  # type: ignore[arg-type]
         self.method = one_of("compute_method", method, COMPUTE_METHODS)
+        #: ``eigenbasis_tolerance`` (eigen method): a refresh keeps the held basis
+        #: while it diagonalises the factor to within it (:func:`held_basis`).
+        self.basis_tolerance = basis_tolerance
+        #: Whether the last refresh kept the held basis (eigenvalues only refreshed).
+        self.basis_kept = False
 
     def _identity_state(self) -> list[torch.Tensor]:
         eye = torch.eye(self.size, dtype=self.inv_dtype, device=self.factor.device)
@@ -330,7 +344,13 @@ class ExactSide(Side):
         return [eye]
 
     def _compute_state(self, damping: float) -> list[torch.Tensor]:
+        self.basis_kept = False
         if self.method == "eigen":
+            if self.basis_tolerance is not None:
+                held = held_basis(self.factor, self.allocate()[0], self.basis_tolerance)
+                if held is not None:
+                    self.basis_kept = True
+                    return [held[0], held[1].to(self.inv_dtype)]
             q, values = symmetric_eigen(self.factor, self.inv_dtype)
             return [q, values]
         # Damped here, at refresh (spec §4): the scale is applied to the factor.
@@ -564,8 +584,10 @@ def make_side(
     factor_dtype: torch.dtype,
     inv_dtype: torch.dtype,
     relative: bool,
+    basis_tolerance: float | None = None,
 ) -> Side:
-    """The :class:`Side` for ``spec`` (``method`` matters to ``'exact'`` only)."""
+    """The :class:`Side` for ``spec`` (``method`` and ``basis_tolerance`` matter to
+    ``'exact'`` only)."""
     kw: dict[str, object] = {
         "device": device,
         "factor_dtype": factor_dtype,
@@ -573,7 +595,7 @@ def make_side(
         "relative": relative,
     }
     if spec.kind == "exact":
-        return ExactSide(name, size, method=method, **kw)
+        return ExactSide(name, size, method=method, basis_tolerance=basis_tolerance, **kw)
     if spec.kind == "lowrank":
         assert spec.rank is not None
         return LowRankSide(name, size, rank=spec.rank, **kw)

@@ -54,7 +54,13 @@ from kaisa.choices import EigenCorrection
 from kaisa.curvature.block import Factor, KroneckerBlock
 from kaisa.curvature.costs import SideSpec
 from kaisa.curvature.eigencorrection import EigenScales
-from kaisa.curvature.linalg import DecompositionError, compute_dtype, mean_scale, symmetric_eigen
+from kaisa.curvature.linalg import (
+    DecompositionError,
+    compute_dtype,
+    held_basis,
+    mean_scale,
+    symmetric_eigen,
+)
 from kaisa.validation import check_tensor
 from kaisa.warn import warn
 
@@ -98,6 +104,9 @@ class SharedCurvature:
         correction: the eigenvalue correction (``'off'``, ``'ekfac'`` or
             ``'adam'``, see the module docstring).
         correction_decay: ``S``'s running-average decay.
+        basis_tolerance: ``eigenbasis_tolerance``: a refresh of an exact side
+            keeps the held basis while it diagonalises the uses' weighted sum
+            to within this share (:func:`~kaisa.curvature.linalg.held_basis`).
     """
 
     def __init__(
@@ -110,6 +119,7 @@ class SharedCurvature:
         relative: bool,
         correction: EigenCorrection = "off",
         correction_decay: float = 0.99,
+        basis_tolerance: float | None = None,
     ) -> None:
         if len(uses) < 2 or uses[0].transposed:
             raise ValueError("a shared weight needs its owner first and at least one more use")
@@ -135,6 +145,9 @@ class SharedCurvature:
         self.state: dict[Factor, list[torch.Tensor]] = {}
         self.correction: EigenCorrection = correction
         self.correction_decay = correction_decay
+        self.basis_tolerance = basis_tolerance
+        #: Per side: whether its last refresh kept the held basis (``basis_tolerance``).
+        self.kept: dict[Factor, bool] = {"a": False, "g": False}
         #: ``S`` of the corrected solve (``m × n``), on the owner's gradient workers.
         self.scales: EigenScales | None = None
 
@@ -225,6 +238,7 @@ class SharedCurvature:
         return self.state[which]
 
     def _compute(self, which: Factor) -> list[torch.Tensor]:
+        self.kept[which] = False
         pieces = self._pieces(which)
         if not all(bool(torch.isfinite(p).all()) for p, _ in pieces):
             raise DecompositionError("a use's factor holds NaN or Inf")
@@ -239,7 +253,11 @@ class SharedCurvature:
         ]
         mats = [p.to(dtype) if full else torch.diag(p.to(dtype)) for p, full in pieces]
         total = sum((w * m for w, m in zip(weights, mats, strict=True)), torch.zeros_like(mats[0]))
-        q, _ = symmetric_eigen(total, dtype)
+        held = None
+        if self.basis_tolerance is not None:
+            held = held_basis(total, self.state[which][0], self.basis_tolerance)
+        self.kept[which] = held is not None
+        q = held[0].to(dtype) if held is not None else symmetric_eigen(total, dtype)[0]
         rho = [((m @ q) * q).sum(dim=0).clamp_(min=0.0) for m in mats]
         return [q.to(self.inv_dtype), *(r.to(self.inv_dtype) for r in rho)]
 

@@ -352,6 +352,11 @@ _KFAC_OPTIONS: _Options = {
         "solve at the factors' scale; 'adam': their square root) or not ('off')",
         {"choices": EIGEN_CORRECTIONS},
     ),
+    "--eigenbasis-tolerance": (
+        "keep an eigenbasis at an inverse update while it still diagonalises its factor "
+        "to within this off-diagonal share; decompose only stale ones",
+        {"type": _fraction},
+    ),
 }
 """The overrides of ``kaisa.KFACPreconditioner``'s defaults, one per field of
 :class:`~kaisa.demo.config.KfacConfig` (the option's destination is the

@@ -327,6 +327,7 @@ class KfacConfig:
     calibrate_budget: bool | None = None
     curvature: str | None = None
     eigenvalue_correction: str | None = None
+    eigenbasis_tolerance: float | None = None
 
     def overrides(self) -> dict[str, Any]:
         """Keyword arguments for ``KFACPreconditioner``: the fields that are set."""

@@ -93,6 +93,7 @@ _PLAIN = (
     "factor_init",
     "eigenvalue_correction",
     "eigenvalue_decay",
+    "eigenbasis_tolerance",
     "grafting",
     "time_budget",
     "calibrate_budget",

@@ -161,6 +161,7 @@ def test_digest_records_what_must_agree() -> None:
         "factor_init",
         "time_budget",
         "update_factors_in_hook",
+        "eigenbasis_tolerance",
         "inv_dtype",
     ):
         assert key in digest
@@ -185,9 +186,13 @@ def test_digest_is_deterministic_and_sensitive() -> None:
         _digest(factor_update_steps=5),
         _digest(curvature="diagonal"),
         _digest(compute_method="inverse"),
+        _digest(eigenbasis_tolerance=0.1),
     ):
         assert header(other).tolist() != header(base).tolist()
         assert differences([base, other])
+    # The same tolerance given as an int and as a float is the same option.
+    same = _digest(eigenbasis_tolerance=0), _digest(eigenbasis_tolerance=0.0)
+    assert header(same[0]).tolist() == header(same[1]).tolist()
 
 
 def test_describe_names_every_difference() -> None:

@@ -37,7 +37,9 @@ class Tied(nn.Module):
         return self.head(torch.tanh(self.mix(self.embed(idx))))
 
 
-def _train(rank: int, world_size: int, fraction: float, correction: str) -> dict[str, Any]:
+def _train(
+    rank: int, world_size: int, fraction: float, correction: str, tolerance: float | None = None
+) -> dict[str, Any]:
     torch.manual_seed(0)
     model = Tied()
     tokens = torch.randint(0, V, (STEPS, BATCH, 7), generator=torch.Generator().manual_seed(1))
@@ -49,6 +51,7 @@ def _train(rank: int, world_size: int, fraction: float, correction: str) -> dict
         lr=0.1,
         grad_worker_fraction=fraction,
         eigenvalue_correction=correction,
+        eigenbasis_tolerance=tolerance,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     local = BATCH // world_size
@@ -67,36 +70,52 @@ def _train(rank: int, world_size: int, fraction: float, correction: str) -> dict
         "workers": assignment.grad_workers,
         "has_shared": "shared" in state,
         "has_scales": "scales" in state.get("shared", {}),
+        "kept": pre.telemetry.kept_eigenbases,
     }
 
 
+#: The shared bases' off-diagonal shares at the later refreshes lie at
+#: 0.09–0.15 and 0.16–0.17 (one process): this keeps some and refreshes others.
+BASIS_TOLERANCE = 0.155
+
 #: Every fraction of 2 processes, with the shared block as K-FAC solves it and
-#: eigenvalue-corrected (its S lives with the owner's gradient workers).
-RUNS = [(f, c) for f in (0.5, 1.0) for c in ("off", "ekfac")]
+#: eigenvalue-corrected (its S lives with the owner's gradient workers), and
+#: corrected with stale bases only refreshed (``eigenbasis_tolerance``).
+RUNS = [(f, c, None) for f in (0.5, 1.0) for c in ("off", "ekfac")] + [
+    (f, "ekfac", BASIS_TOLERANCE) for f in (0.5, 1.0)
+]
+Run = tuple[float, str, float | None]
 
 
-def _worker(rank: int, world_size: int) -> dict[tuple[float, str], dict[str, Any]]:
-    return {(f, c): _train(rank, world_size, f, c) for f, c in RUNS}
+def _worker(rank: int, world_size: int) -> dict[Run, dict[str, Any]]:
+    return {run: _train(rank, world_size, *run) for run in RUNS}
 
 
 def test_two_processes_follow_one_with_the_shared_block() -> None:
-    single = {(f, c): _train(0, 1, f, c) for f, c in RUNS}
+    single = {run: _train(0, 1, *run) for run in RUNS}
     results = run_distributed(_worker, 2, timeout=120)
-    for f, c in RUNS:
+    for run in RUNS:
+        f, c, _ = run
         for rank in range(2):
-            got = results[rank][(f, c)]
-            expected = single[(f, c)]["weights"]
+            got = results[rank][run]
+            expected = single[run]["weights"]
             torch.testing.assert_close(got["weights"], expected, rtol=0, atol=TOLERANCE)
             works = rank in got["workers"]
             assert got["has_shared"] == works
             assert got["has_scales"] == (works and c == "ekfac")
-        assert len(results[0][(f, c)]["workers"]) == (1 if f == 0.5 else 2)
+        assert len(results[0][run]["workers"]) == (1 if f == 0.5 else 2)
+        # Each side is refreshed by one rank: the two ranks kept what one process kept.
+        assert results[0][run]["kept"] + results[1][run]["kept"] == single[run]["kept"]
     # The shared block moved the weights: not the plain SGD run, and the
     # correction changed them.
     torch.manual_seed(0)
-    assert not torch.allclose(single[(1.0, "off")]["weights"], _plain_sgd(), atol=1e-4)
-    corrected = single[(1.0, "ekfac")]["weights"]
-    assert not torch.allclose(corrected, single[(1.0, "off")]["weights"], atol=1e-4)
+    assert not torch.allclose(single[(1.0, "off", None)]["weights"], _plain_sgd(), atol=1e-4)
+    corrected = single[(1.0, "ekfac", None)]["weights"]
+    assert not torch.allclose(corrected, single[(1.0, "off", None)]["weights"], atol=1e-4)
+    # The tolerance kept some bases, and the run differs from refreshing every one.
+    kept = single[(1.0, "ekfac", BASIS_TOLERANCE)]
+    assert kept["kept"] > 0 and single[(1.0, "ekfac", None)]["kept"] == 0
+    assert not torch.allclose(kept["weights"], corrected, atol=1e-6)
 
 
 def _plain_sgd() -> torch.Tensor:
