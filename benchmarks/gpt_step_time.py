@@ -6,7 +6,9 @@ machine. This measures the other half of time to target: the wall time of one
 training step (forward, backward, ``step()`` of kaisa where there is one, the
 optimizer's step) of each arm on the workload's model (``kaisa.models.GPT`` as
 the suite builds it) and batch (16 × 64 bytes; random bytes: the step's cost
-does not depend on the text). Arms are the suite's (``--arms``, with the
+does not depend on the text, except with ``eigenbasis_tolerance``, whose
+bases are refreshed when the factors have moved: ``--text`` trains on the
+workload's own corpus instead). Arms are the suite's (``--arms``, with the
 suite's optimizers and learning rates from ``make_arm``) and named kaisa
 configurations in front of AdamW (``--kaisa NAME=JSON``, repeatable; the JSON
 is passed to ``KFACPreconditioner``).
@@ -37,7 +39,7 @@ from common import LoadRecord, format_table, kfac_json, machine_info, set_thread
 import kaisa
 from kaisa.demo.config import WORKLOAD_FALLBACK_LRS, WORKLOADS, make_arm
 from kaisa.demo.optimizers import build_optimizer
-from kaisa.demo.text import VOCAB_SIZE
+from kaisa.demo.text import DEFAULT_TEXT_DIR, VOCAB_SIZE, load_text_corpus
 from kaisa.demo.train import build_demo_model
 
 
@@ -87,6 +89,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--json", default="")
+    parser.add_argument(
+        "--text",
+        nargs="?",
+        const=DEFAULT_TEXT_DIR,
+        default=None,
+        metavar="DIR",
+        help="batches from the workload's corpus (default directory: %(const)s), not random bytes",
+    )
     args = parser.parse_args()
     set_threads(args.threads)
     workload = WORKLOADS["gpt"]
@@ -102,12 +112,16 @@ def main() -> None:
         specs.append((name, "adamw", kfac_json(text)))
     arms = [Arm(name, base, kfac, context) for name, base, kfac in specs]
     generator = torch.Generator().manual_seed(0)
+    corpus = load_text_corpus(args.text) if args.text is not None else None
+
+    def batch() -> torch.Tensor:
+        if corpus is None:
+            return torch.randint(0, VOCAB_SIZE, (batch_size, context + 1), generator=generator)
+        x, y = corpus.sample_batch(batch_size, context, generator)
+        return torch.cat([x, y[:, -1:]], dim=1)
 
     def batches(n: int) -> list[torch.Tensor]:
-        return [
-            torch.randint(0, VOCAB_SIZE, (batch_size, context + 1), generator=generator)
-            for _ in range(n)
-        ]
+        return [batch() for _ in range(n)]
 
     warm = batches(args.warmup)
     for arm in arms:
@@ -138,9 +152,15 @@ def main() -> None:
                     arm.pre.hyperparameters().factor_update_steps,
                     arm.pre.hyperparameters().inv_update_steps,
                 ],
+                # Of the side refreshes (warm-up included), those that decomposed.
+                "decomposed": None
+                if arm.pre is None or not arm.pre.telemetry.side_refreshes
+                else round(
+                    1 - arm.pre.telemetry.kept_eigenbases / arm.pre.telemetry.side_refreshes, 3
+                ),
             }
         )
-    columns = ["arm", "ms_per_step", "vs_adamw", "intervals"]
+    columns = ["arm", "ms_per_step", "vs_adamw", "intervals", "decomposed"]
     print(format_table(columns, [[row[c] for c in columns] for row in rows]))
     print("load:", load.as_dict())
     if args.json:

@@ -216,13 +216,18 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
         schedule = {"factor_update_steps": early_refresh(f), "inv_update_steps": early_refresh(i)}
     torch.set_num_threads(args.threads)
 
+    made: list[kaisa.KFACPreconditioner] = []  # this seed's, for its telemetry
+
     def make(model: torch.nn.Module, arm: Any, optimizer: Any) -> kaisa.KFACPreconditioner:
         def current_lr(_step: int) -> float:
             return float(optimizer.param_groups[0]["lr"])
 
-        return kaisa.KFACPreconditioner(
-            model, lr=current_lr, **{**arm.kfac.overrides(), **extra, **schedule}
-        )
+        made[:] = [
+            kaisa.KFACPreconditioner(
+                model, lr=current_lr, **{**arm.kfac.overrides(), **extra, **schedule}
+            )
+        ]
+        return made[0]
 
     # The demo's own run with these options (and model): patched for this call only.
     saved = demo_train._make_preconditioner, demo_train.build_demo_model
@@ -262,11 +267,18 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
                 "stopped_at": result.steps,
                 "last": None if result.final_value is None else round(result.final_value, 4),
                 "wall_s": round(time.time() - start, 1),
+                # The training clock (no evaluation), and kaisa's share of it.
+                "train_s": round(result.train_seconds, 2),
+                "kfac_s": round(result.kfac_seconds, 2),
             }
             if marker is not None:
                 row[marker[0]] = marker[1]
             if variant is not None:
                 row["variant"] = variant
+            if made and made[0].options.eigenbasis_tolerance is not None:
+                telemetry = made[0].telemetry
+                row["side_refreshes"] = telemetry.side_refreshes
+                row["kept_eigenbases"] = telemetry.kept_eigenbases
             choice = result.kfac_choice
             if choice:
                 row["intervals"] = [choice["factor_update_steps"], choice["inv_update_steps"]]

@@ -427,6 +427,22 @@ def test_steps_probe_runs_any_arm_on_the_language_model(
         source = resolve_lr("gpt", r["arm"], {}, read_lr_table(DEFAULT_LR_FILE))[1]
         assert math.isfinite(r["last"]) and r["lr_source"].startswith(source.split(" (")[0])
     assert "intervals" in rows[1] and "intervals" not in rows[0]
+    for r in rows:  # the training clock (wall_s is rounded to 0.1 s), kaisa's share of it
+        assert 0 < r["train_s"] <= r["wall_s"] + 0.1
+    assert rows[0]["kfac_s"] == 0.0 and 0 < rows[1]["kfac_s"] < rows[1]["train_s"]
+    assert "side_refreshes" not in rows[1]
+    # With eigenbasis_tolerance the row counts the refreshes and the bases kept.
+    kfac = (
+        '{"curvature": "exact", "factor_update_steps": 1, "inv_update_steps": 1, '
+        '"eigenbasis_tolerance": 0.5}'
+    )
+    code = probe.main(["--workload", "gpt", "--arm", "kaisa-adamw", "--seeds", "0",
+                       "--max-steps", "4", "--kfac", kfac, "--text-dir", str(corpus_dir),
+                       "--out", str(out)])  # fmt: skip
+    assert code == 0
+    last = json.loads(out.read_text().splitlines()[-1])
+    assert last["side_refreshes"] > 0 and 0 <= last["kept_eigenbases"] <= last["side_refreshes"]
+    assert 0 < last["kfac_s"] < last["train_s"]
     with pytest.raises(SystemExit):
         probe.main(["--workload", "gpt", "--arm", "adamw", "--kfac", '{"damping": 0.1}',
                     "--text-dir", str(corpus_dir), "--out", str(out)])  # fmt: skip
