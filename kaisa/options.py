@@ -325,6 +325,8 @@ class KFACOptions:
             stale rather than on a clock; give it with ``inv_update_steps``
             equal to ``factor_update_steps``, so that any factor update can
             refresh them. Tied weights' shared bases follow the same rule.
+            Refused with ``compute_method='inverse'`` and every side exact
+            (no eigenbasis is held then).
             ``telemetry.kept_eigenbases`` counts the decompositions saved. On
             three small language models with ``eigenvalue_correction='ekfac'``
             and factors and inverses every 5 steps, 0.05 decomposed 41–53% of
@@ -538,6 +540,17 @@ class KFACOptions:
                 ) from error
         set_(self, "skip_layers", tuple(skip))
         set_(self, "curvature_rules", _curvature_rules(self.curvature))
+        exact_everywhere = all(sides == ("exact", "exact") for _, sides in self.curvature_rules)
+        if (
+            self.eigenbasis_tolerance is not None
+            and self.compute_method == "inverse"
+            and exact_everywhere
+        ):
+            raise ValueError(
+                "eigenbasis_tolerance keeps eigenbases, and compute_method='inverse' with every "
+                "side exact holds none (damped inverses): use compute_method='eigen', or leave "
+                "eigenbasis_tolerance=None"
+            )
         budget = self.time_budget
         if isinstance(budget, bool) or not isinstance(budget, (int, float)):
             raise TypeError(f"time_budget must be a number > 0; got {budget!r}")

@@ -286,6 +286,11 @@ def test_grafting_gives_each_layer_the_raw_gradient_norm(correction: str) -> Non
         ({"eigenbasis_tolerance": -0.1}, ValueError, "eigenbasis_tolerance must be a number >= 0"),
         ({"eigenbasis_tolerance": "0.1"}, TypeError, "eigenbasis_tolerance must be a number"),
         ({"eigenbasis_tolerance": True}, TypeError, "eigenbasis_tolerance must be a number"),
+        (
+            {"eigenbasis_tolerance": 0.1, "compute_method": "inverse", "curvature": "exact"},
+            ValueError,
+            "eigenbasis_tolerance keeps eigenbases, and compute_method='inverse'",
+        ),
     ],
 )
 def test_bad_options_are_refused_by_name(
