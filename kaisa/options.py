@@ -329,7 +329,7 @@ class KFACOptions:
             (no eigenbasis is held then).
             ``telemetry.kept_eigenbases`` counts the decompositions saved. On
             three small language models with ``eigenvalue_correction='ekfac'``
-            and factors and inverses every 5 steps, 0.05 decomposed 41–53% of
+            and factors and inverses every 5 steps, 0.05 decomposed 40–54% of
             the time and took 0–11% fewer steps than inverses every 10 at
             about its step time (``benchmarks/README.md``, session 22; not
             measured on image models).
