@@ -320,8 +320,8 @@ class KFACOptions:
             exact side held with the eigen method keeps its eigenbasis ``Q``
             while ``Q`` still diagonalises the current factor ``F`` to within
             it (``‖offdiag(QᵀFQ)‖_F ≤ tolerance · ‖QᵀFQ‖_F``) and refreshes only
-            its eigenvalues, to ``diag(QᵀFQ)``: two matrix products instead of
-            a decomposition. Bases are then refreshed when they have gone
+            its eigenvalues, to ``diag(QᵀFQ)``: one matrix product (``FQ``)
+            instead of a decomposition. Bases are then refreshed when they have gone
             stale rather than on a clock; give it with ``inv_update_steps``
             equal to ``factor_update_steps``, so that any factor update can
             refresh them. Tied weights' shared bases follow the same rule.
