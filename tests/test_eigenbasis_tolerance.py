@@ -8,7 +8,6 @@ The rule itself is checked against float64 references in
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import pytest
 import torch
@@ -29,23 +28,25 @@ def _weights(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _run(tolerance: float | None, steps: int = 40, **options: object) -> tuple[nn.Module, Any]:
+def _run(
+    tolerance: float | None, steps: int = 40, **options: object
+) -> tuple[nn.Module, kaisa.KFACPreconditioner, list[float]]:
     model = _net()
     pre = kaisa.KFACPreconditioner(model, eigenbasis_tolerance=tolerance, **{**OPTIONS, **options})
     losses = _train(model, pre, range(steps))
-    return model, (pre, losses)
+    return model, pre, losses
 
 
 @pytest.mark.parametrize("correction", ["off", "ekfac"])
 def test_a_tolerance_keeps_some_bases_and_still_trains(correction: str) -> None:
-    model, (pre, losses) = _run(0.05, eigenvalue_correction=correction)
+    model, pre, losses = _run(0.05, eigenvalue_correction=correction)
     telemetry = pre.telemetry
     # Two layers, two sides each, refreshed at every second step of 40.
     assert telemetry.side_refreshes == 4 * 20
     assert 0 < telemetry.kept_eigenbases < telemetry.side_refreshes
     assert telemetry.summary()["kept_eigenbases"] == telemetry.kept_eigenbases
     assert losses[-1] < 0.85 * losses[0]
-    every, (pre_every, _) = _run(None, eigenvalue_correction=correction)
+    every, pre_every, _ = _run(None, eigenvalue_correction=correction)
     assert pre_every.telemetry.kept_eigenbases == 0
     assert pre_every.telemetry.side_refreshes == 4 * 20
     # Keeping bases changed the run (the check below has teeth).
@@ -54,8 +55,8 @@ def test_a_tolerance_keeps_some_bases_and_still_trains(correction: str) -> None:
 
 def test_a_zero_tolerance_is_the_run_that_decomposes_every_time() -> None:
     # No factor here is exactly diagonal in its held basis: every refresh decomposes.
-    model, (pre, _) = _run(0.0)
-    every, _ = _run(None)
+    model, pre, _ = _run(0.0)
+    every, _, _ = _run(None)
     assert pre.telemetry.kept_eigenbases == 0
     assert torch.equal(_weights(model), _weights(every))
 
@@ -86,7 +87,7 @@ def test_a_kept_basis_is_the_held_one_and_its_values_the_rayleigh_quotients() ->
 
 def test_a_resumed_run_keeps_and_refreshes_the_same_bases() -> None:
     # The decision reads the held basis, which the checkpoint carries.
-    model, (pre, _) = _run(0.05, steps=40)
+    model, pre, _ = _run(0.05, steps=40)
     first = _net()
     pre_first = kaisa.KFACPreconditioner(first, eigenbasis_tolerance=0.05, **OPTIONS)
     _train(first, pre_first, range(17))

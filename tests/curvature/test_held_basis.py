@@ -153,7 +153,7 @@ def test_a_diagonal_factor_keeps_the_identity_basis() -> None:
 def test_a_kept_side_is_not_redone_in_float64() -> None:
     # An ill-conditioned float32 factor at small damping: its decomposition is
     # redone in float64 (refine), but a kept basis was not decomposed at all.
-    f, q, _ = factor_with_basis(8, seed=8)
+    _, q, _ = factor_with_basis(8, seed=8)
     values = torch.logspace(-7, 0, 8, dtype=D)
     f = (q * values) @ q.T
     block = KroneckerBlock(
