@@ -10,8 +10,8 @@ this option (or this learning rate) save steps?" before a full suite run;
 steps to the target do not depend on the machine's load (except through the
 budget's clock calibration, whose steps are powers of √2), so two probes may
 run side by side with one thread each. Nothing is asserted. Results, with
-the automatic choice's intervals and clock scale where there is one, are
-printed and appended as JSON lines to ``--out``.
+the automatic choice's intervals, clock scale and representations where
+there is one, are printed and appended as JSON lines to ``--out``.
 
 ``--lr`` defaults to the demo's own learning rate for the workload and arm
 (the sweep file's, else the fallback table's; the row's ``lr_source`` says
@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
             if choice:
                 row["intervals"] = [choice["factor_update_steps"], choice["inv_update_steps"]]
                 row["time_scale"] = round(float(choice.get("time_scale", 1.0)), 3)
+                row["specs"] = choice["specs"]  # each layer's (A, G) representations
             print(json.dumps(row), flush=True)
             with args.out.open("a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -86,8 +86,6 @@ class AutoChoice:
         fixed: every registered layer's fixed sides, in registration order.
         auto_options: the options left to kaisa (``KFACOptions.auto``).
         time_budget, calibrate_budget, compute_method: the options of that name.
-        corrected: ``eigenvalue_correction`` is on (the choice moves sides from
-            exact to diagonal only: :func:`~kaisa.curvature.budget.ladder`).
         telemetry: whose capture timers the calibration reads.
         device: the device whose queue is waited for around a timed pass.
     """
@@ -103,11 +101,8 @@ class AutoChoice:
         telemetry: Telemetry,
         device: torch.device,
         cost_model: CostModel = DEFAULT_COST_MODEL,
-        corrected: bool = False,
     ) -> None:
         self.fixed = dict(fixed)
-        #: An eigenvalue correction is on: the choice keeps to the sides it reaches.
-        self.corrected = corrected
         self.cost_model = cost_model
         self.auto_options = auto_options
         self.time_budget = time_budget
@@ -158,7 +153,6 @@ class AutoChoice:
             telemetry=telemetry,
             device=device,
             cost_model=options.cost_model,
-            corrected=options.eigenvalue_correction != "off",
         )
 
     # -- what the rest of the preconditioner reads ----------------------------------
@@ -314,7 +308,6 @@ class AutoChoice:
             cost_model=self.cost_model,
             scale=scale,
             calibrated=self.calibrating,
-            corrected=self.corrected,
         )
         previous = self.choice
         if not choice.within_budget and (previous is None or previous.within_budget):

@@ -31,9 +31,8 @@ from kaisa.curvature.budget import (
     BudgetChoice,
     LayerWork,
     choose_curvature,
-    ladder,
 )
-from kaisa.curvature.costs import DEFAULT_COST_MODEL, CostModel
+from kaisa.curvature.costs import DEFAULT_COST_MODEL, CostModel, SideSpec
 from kaisa.options import REFERENCE_DEFAULTS
 
 UNMEETABLE = "kaisa: time_budget=.* cannot be met"
@@ -191,37 +190,30 @@ def test_a_wide_linear_layer_at_the_default_budget() -> None:
     assert choice.share <= 0.1
 
 
-def test_with_a_correction_on_the_ladder_is_exact_then_diagonal() -> None:
-    """The eigenvalue correction reaches exact and diagonal sides only: the choice keeps
-    to them, and with them the wide layer fits the default budget too."""
-    assert [str(s) for s in ladder(3138, corrected=True)] == ["exact", "diagonal"]
-    assert "lowrank:256" in [str(s) for s in ladder(3138)]
-    a, g, rows = 3137 + 1, 128, 128.0
-    for budget in (1e-9, 0.1, 0.5):
-        work = [LayerWork.from_rows("fc", a, g, rows), *layers(*SIZES, rows=rows)]
-        choice = choose_curvature(work, budget, corrected=True)
-        assert all(
-            spec in ("exact", "diagonal") for sides in choice.specs.values() for spec in sides
-        )
-        if budget > 1e-9:
-            assert choice.within_budget
-    plain = choose_curvature([LayerWork.from_rows("fc", a, g, rows)], 0.1)
-    assert set(plain.specs["fc"]) - {"exact", "diagonal"}  # without it, a cheaper rung
-
-
-def test_an_automatic_choice_with_the_correction_on_corrects_every_layer() -> None:
+def test_with_a_correction_on_the_choice_is_the_plain_one_and_names_what_it_leaves() -> None:
+    """The correction does not change the ladder: a layer the budget holds in low rank
+    keeps K-FAC's solve (and is named once); every exact or diagonal one is corrected."""
     model = MLP()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # nothing left uncorrected, nothing to say
+    plain = kaisa.KFACPreconditioner(model, lr=0.1, cost_model=NO_OPERATORS, time_budget=0.15)
+    run(model, plain, range(2))
+    plain.remove_hooks()
+    model = MLP()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         pre = kaisa.KFACPreconditioner(
             model, lr=0.1, cost_model=NO_OPERATORS, time_budget=0.15, eigenvalue_correction="ekfac"
         )
         run(model, pre, range(2))
     choice = pre.curvature_choice
     assert choice is not None and choice.within_budget
-    assert choice == choose_curvature(mlp_work(), 0.15, corrected=True)
-    assert choice != choose_curvature(mlp_work(), 0.15)  # the plain ladder goes elsewhere
-    assert all(layer.corrected for layer in pre.layers)
+    assert choice == plain.curvature_choice == choose_curvature(mlp_work(), 0.15)
+    reached = ("exact", "diagonal")
+    left = [layer.name for layer in pre.layers if not layer.corrected]
+    assert left  # the budget holds a side of this MLP in low rank or Kronecker vectors
+    for layer in pre.layers:
+        assert layer.corrected == all(SideSpec.parse(s).kind in reached for s in layer.curvature)
+    said = [str(w.message) for w in caught if "eigenvalue_correction" in str(w.message)]
+    assert len(said) == 1 and all(repr(name) in said[0] for name in left)
 
 
 @pytest.mark.parametrize("budget", [-1, 0, float("inf"), float("nan")])

@@ -569,6 +569,7 @@ def _corrupt(d: Path) -> Path:
         (lambda d, t: ["--data-dir", str(d), "--curvature", "dense"], "'exact', 'lowrank:K'"),
         (lambda d, t: ["--data-dir", str(d), "--eigenvalue-correction", "on"], "'ekfac'"),
         (lambda d, t: ["--data-dir", str(d), "--eigenbasis-tolerance", "1"], "in [0, 1)"),
+        (lambda d, t: ["--data-dir", str(d), "--time-budget", "0"], "--time-budget"),
         (lambda d, t: ["--data-dir", str(d), "--no-such-option"], "unrecognized"),
     ],
 )
@@ -640,7 +641,7 @@ def test_curvature_and_the_eigenvalue_correction_reach_both_kaisa_arms() -> None
     suite = _suite(
         "--workload", "gpt", "--arms", "adamw,kaisa-sgd,kaisa-adamw", "--curvature", "Exact",
         "--eigenvalue-correction", "ekfac", "--factor-update-steps", "5",
-        "--eigenbasis-tolerance", "0.05",
+        "--eigenbasis-tolerance", "0.05", "--time-budget", "2",
     )  # fmt: skip
     for arm in suite.workloads[0].arms:
         if arm.name == "adamw":
@@ -652,6 +653,7 @@ def test_curvature_and_the_eigenvalue_correction_reach_both_kaisa_arms() -> None
             "curvature": "exact",
             "eigenvalue_correction": "ekfac",
             "eigenbasis_tolerance": 0.05,
+            "time_budget": 2.0,
         }
     assert _suite("--curvature", "lowrank:16").workloads[0].arms[4].kfac.overrides() == {
         "curvature": "lowrank:16"

@@ -22,6 +22,7 @@ import pytest
 import torch
 from script_loader import load_script
 
+from kaisa.curvature.costs import SideSpec
 from kaisa.demo.cli import build_config, main, parse_args
 from kaisa.demo.compare import summarize_suite
 from kaisa.demo.config import (
@@ -427,6 +428,9 @@ def test_steps_probe_runs_any_arm_on_the_language_model(
         source = resolve_lr("gpt", r["arm"], {}, read_lr_table(DEFAULT_LR_FILE))[1]
         assert math.isfinite(r["last"]) and r["lr_source"].startswith(source.split(" (")[0])
     assert "intervals" in rows[1] and "intervals" not in rows[0]
+    specs = rows[1]["specs"]  # the automatic choice's representations, every layer's
+    assert {"tok_embed", "blocks.0.attn.qkv", "head"} <= set(specs)
+    assert all(len(pair) == 2 and all(SideSpec.parse(s) for s in pair) for pair in specs.values())
     for r in rows:  # the training clock (wall_s is rounded to 0.1 s), kaisa's share of it
         assert 0 < r["train_s"] <= r["wall_s"] + 0.1
     assert rows[0]["kfac_s"] == 0.0 and 0 < rows[1]["kfac_s"] < rows[1]["train_s"]

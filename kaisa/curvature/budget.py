@@ -21,12 +21,15 @@ The rule, in full:
 2. While the work per step is over the budget, take the one move that saves
    the most work: move one side down its ladder (exact, then low rank
    ``k`` = 256, 128, …, 8 for the ``k`` at most half the side, then Kronecker
-   vectors, then diagonal; with an eigenvalue correction on, exact then
-   diagonal, the two it reaches) to the nearest rung that saves anything, or
-   double the factor interval (up to
-   :data:`MAX_FACTOR_STEPS`), or double the inverse interval (up to
-   :data:`MAX_INV_STEPS`; never below the factor interval). Ties go to the
-   earlier layer, ``A`` before ``G``, sides before intervals.
+   vectors, then diagonal) to the nearest rung that saves anything, or
+   double the factor interval (up to :data:`MAX_FACTOR_STEPS`), or double
+   the inverse interval (up to :data:`MAX_INV_STEPS`; never below the
+   factor interval). Ties go to the earlier layer, ``A`` before ``G``,
+   sides before intervals. The ladder is the same with an eigenvalue
+   correction on: it reaches the exact and diagonal rungs, and a layer
+   given a low-rank or Kronecker-vector side keeps K-FAC's solve (SmallCNN
+   took 800 steps with its 3137-wide input side corrected on its diagonal,
+   300 with it in rank 128: ``benchmarks/README.md``, session 23).
 3. When no move is left the choice is the cheapest one and
    :attr:`BudgetChoice.within_budget` is ``False`` (the caller warns once).
 4. When the choice fits and the inverse interval is free, spend what is left
@@ -270,16 +273,14 @@ class BudgetChoice:
         return "\n".join(lines)
 
 
-def ladder(n: int, corrected: bool = False) -> list[SideSpec]:
+def ladder(n: int) -> list[SideSpec]:
     """A side's representations, most curvature first.
 
-    ``corrected`` (an eigenvalue correction is on): only the representations
-    with an explicit eigenbasis, exact and diagonal, which the correction
-    reaches (:mod:`kaisa.curvature.eigencorrection`); a low-rank or
-    Kronecker-vector side would leave its layer uncorrected.
+    With an eigenvalue correction on the ladder is the same: the correction
+    reaches the exact and diagonal rungs (:mod:`kaisa.curvature.eigencorrection`),
+    and a layer the choice gives a low-rank or Kronecker-vector side keeps
+    K-FAC's solve (the preconditioner names such layers once).
     """
-    if corrected:
-        return [SideSpec("exact"), SideSpec("diagonal")]
     rungs = [SideSpec("exact")]
     rungs += [SideSpec("lowrank", k) for k in LOW_RANKS if 2 * k <= n]
     rungs += [SideSpec("kvec"), SideSpec("diagonal")]
@@ -328,12 +329,8 @@ def choose_curvature(
     scale: float = 1.0,
     calibrated: bool = False,
     cost_model: CostModel = DEFAULT_COST_MODEL,
-    corrected: bool = False,
 ) -> BudgetChoice:
     """Apply the rule of the module docstring; ``None`` intervals are free to choose.
-
-    ``corrected``: an eigenvalue correction is on, and the free sides move
-    from exact straight to diagonal (:func:`ladder`).
 
     ``scale`` (from :func:`time_scale`) multiplies the allowance:
     ``time_budget * scale * training work``. ``cost_model`` weighs K-FAC's
@@ -354,7 +351,7 @@ def choose_curvature(
     for layer in layers:
         sides = []
         for fixed, n in ((layer.a_fixed, layer.a_size), (layer.g_fixed, layer.g_size)):
-            sides.append([SideSpec.parse(fixed)] if fixed is not None else ladder(n, corrected))
+            sides.append([SideSpec.parse(fixed)] if fixed is not None else ladder(n))
         ladders.append(sides)
         index.append([0, 0])
     f = factor_update_steps if factor_update_steps is not None else MIN_FACTOR_STEPS

@@ -357,6 +357,11 @@ _KFAC_OPTIONS: _Options = {
         "to within this off-diagonal share; decompose only stale ones",
         {"type": _fraction},
     ),
+    "--time-budget": (
+        "the automatic choice's allowance: K-FAC's work per step at most this many times "
+        "the layers' own forward and backward work",
+        {"type": _positive_float},
+    ),
 }
 """The overrides of ``kaisa.KFACPreconditioner``'s defaults, one per field of
 :class:`~kaisa.demo.config.KfacConfig` (the option's destination is the
