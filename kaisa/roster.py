@@ -317,7 +317,8 @@ class Roster:
             f"kaisa: eigenvalue_correction={self.options.eigenvalue_correction!r} reaches "
             f"{len(self) - len(left)} of {len(self)} layers; the others keep K-FAC's solve: "
             f"{shown}{more} (a low-rank or Kronecker-vector side has no explicit eigenbasis). "
-            "curvature='exact', or a curvature rule for these layers, lets it reach them; "
+            "curvature='exact', a curvature rule for these layers, or for sides left to the "
+            "automatic choice a larger time_budget, lets it reach them; "
             "layers[i].corrected says which it reaches"
         )
 

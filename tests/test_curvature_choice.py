@@ -214,6 +214,7 @@ def test_with_a_correction_on_the_choice_is_the_plain_one_and_names_what_it_leav
         assert layer.corrected == all(SideSpec.parse(s).kind in reached for s in layer.curvature)
     said = [str(w.message) for w in caught if "eigenvalue_correction" in str(w.message)]
     assert len(said) == 1 and all(repr(name) in said[0] for name in left)
+    assert "a larger time_budget" in said[0]  # what would let it reach them
 
 
 @pytest.mark.parametrize("budget", [-1, 0, float("inf"), float("nan")])
