@@ -3,7 +3,9 @@
 A state dict holds the format version (:data:`STATE_FORMAT`), the step count,
 the placement it was written under (world size, gradient workers), the
 options that shape the state (:data:`STATE_OPTIONS`), the automatic
-curvature choice, and each layer's block state. Each level restores itself:
+curvature choice, each layer's block state and, with
+``adaptive_intervals``, the intervals' multiplier (``interval_stretch``;
+a checkpoint without one starts the multiplier at 1). Each level restores itself:
 :meth:`~kaisa.curvature.budget.BudgetChoice.from_state` checks the choice,
 :func:`~kaisa.curvature.block.check_block_state` a block's state; this module
 checks the whole against the preconditioner that loads it
@@ -57,6 +59,7 @@ from typing import Any
 import torch
 
 from kaisa.autochoice import FixedSides
+from kaisa.cadence import IntervalStretch
 from kaisa.choices import COMPUTE_METHODS, DAMPING_MODES, EIGEN_CORRECTIONS, FACTOR_INITS
 from kaisa.curvature.block import BlockLayout, CheckedBlockState, check_block_state
 from kaisa.curvature.budget import BudgetChoice
@@ -175,6 +178,8 @@ class Restore:
     plan: WorkPlan  # the plan after the load (the adopted choices')
     #: The shared weights' second-order state to load, by owner (with ``second_order``).
     shared: dict[str, SharedState] = field(default_factory=dict)
+    #: The intervals' multiplier to restore (``adaptive_intervals``; ``None``: none saved).
+    stretch: IntervalStretch | None = None
 
 
 def write_state(
@@ -186,9 +191,11 @@ def write_state(
     choice: BudgetChoice | None,
     blocks: Mapping[str, dict[str, object]],
     fraction: FractionChoice | None = None,
+    stretch: IntervalStretch | None = None,
 ) -> dict[str, Any]:
-    """The state dict: see the module docstring (``blocks``: each layer's block state)."""
-    return {
+    """The state dict: see the module docstring (``blocks``: each layer's block state;
+    ``stretch``: the intervals' multiplier, written when ``adaptive_intervals`` is on)."""
+    state = {
         "format": STATE_FORMAT,
         "steps": steps,
         "world_size": world_size,
@@ -198,6 +205,9 @@ def write_state(
         "grad_worker_choice": None if fraction is None else fraction.state_dict(),
         "layers": dict(blocks),
     }
+    if stretch is not None and stretch.enabled:
+        state["interval_stretch"] = stretch.state_dict()
+    return state
 
 
 def _legacy_method(saved: object, default: str) -> tuple[str, bool]:
@@ -330,7 +340,9 @@ def read_state(state_dict: object, target: CheckpointTarget) -> Restore:
     if not legacy:
         required += ["curvature_choice", "format", "options"]
     missing, unexpected = key_differences(
-        state_dict, sorted(required), optional=("curvature_choice", "format", "grad_worker_choice")
+        state_dict,
+        sorted(required),
+        optional=("curvature_choice", "format", "grad_worker_choice", "interval_stretch"),
     )
     if missing:
         raise ValueError(
@@ -342,6 +354,16 @@ def read_state(state_dict: object, target: CheckpointTarget) -> Restore:
             f"state_dict (format {version}) holds unexpected keys {', '.join(unexpected)}"
         )
     steps = check_count(state_dict["steps"], "state_dict 'steps'")
+    stretch = None
+    if state_dict.get("interval_stretch") is not None:
+        saved_stretch = state_dict["interval_stretch"]
+        if not isinstance(saved_stretch, Mapping):
+            raise TypeError(
+                "state_dict 'interval_stretch' must be a dict (factor, changes); got "
+                f"{type(saved_stretch).__name__}"
+            )
+        stretch = IntervalStretch(target.options.adaptive_intervals)
+        stretch.load_state_dict(dict(saved_stretch))
     world_size = check_count(state_dict["world_size"], "state_dict 'world_size'", low=1)
     grad_workers = check_count(state_dict["grad_workers"], "state_dict 'grad_workers'", low=1)
     saved_options = None if legacy else _saved_options(state_dict["options"])
@@ -478,4 +500,5 @@ def read_state(state_dict: object, target: CheckpointTarget) -> Restore:
         fraction=fraction,
         plan=plan,
         shared=shared,
+        stretch=stretch,
     )

@@ -333,6 +333,16 @@ class KFACOptions:
             the time and took 0–11% fewer steps than inverses every 10 at
             about its step time (``benchmarks/README.md``, session 22; not
             measured on image models).
+        adaptive_intervals: ``False`` (default: the intervals as given or
+            chosen), or ``True``: with ``eigenbasis_tolerance``, the factor
+            and inverse intervals in force are the given (or chosen) ones
+            times a multiplier of 1, 2, 4 or 8 that doubles after an inverse
+            update at which fewer than 20% of the eigenbases that could be
+            kept decomposed and halves after one at which more than 40% did
+            (:mod:`kaisa.cadence`): curvature that stays put is refreshed
+            less often. Needs ``eigenbasis_tolerance`` and intervals that are
+            numbers or left to kaisa, not schedules. An automatic
+            ``factor_decay`` follows the stretched factor interval.
         grafting: 'off', or 'layer': each layer's preconditioned gradient is
             rescaled to the raw gradient's Frobenius norm before KL clipping,
             so kaisa keeps the step size the optimizer behind it was tuned for
@@ -387,6 +397,7 @@ class KFACOptions:
     eigenvalue_correction: EigenCorrection = "off"
     eigenvalue_decay: float = 0.99
     eigenbasis_tolerance: float | None = None
+    adaptive_intervals: bool = False
     grafting: Grafting = "off"
     cost_model: CostModel = DEFAULT_COST_MODEL
     # Derived, validated views.
@@ -492,8 +503,27 @@ class KFACOptions:
             "symmetry_aware",
             "update_factors_in_hook",
             "calibrate_budget",
+            "adaptive_intervals",
         ):
             check_flag(name, getattr(self, name))
+        if self.adaptive_intervals:
+            if self.eigenbasis_tolerance is None:
+                raise ValueError(
+                    "adaptive_intervals follows how many eigenbases eigenbasis_tolerance keeps "
+                    "at each inverse update; give eigenbasis_tolerance too (e.g. 0.05), or "
+                    "leave adaptive_intervals=False"
+                )
+            scheduled = [
+                name
+                for name in ("factor_update_steps", "inv_update_steps")
+                if name not in self.auto and self.hyper[name].is_schedule
+            ]
+            if scheduled:
+                raise ValueError(
+                    f"adaptive_intervals stretches fixed intervals, and {' and '.join(scheduled)} "
+                    f"{'is a schedule' if len(scheduled) == 1 else 'are schedules'}: give "
+                    "numbers (or leave them to kaisa), or leave adaptive_intervals=False"
+                )
         # The fraction is checked against every world size later; here its form.
         fraction = self.grad_worker_fraction
         if isinstance(fraction, str) and fraction.strip().lower() == "auto":
@@ -579,7 +609,9 @@ class KFACOptions:
                 return sides
         return None, None
 
-    def resolve(self, step: int, chosen: tuple[int, int] | None = None) -> StepHyper:
+    def resolve(
+        self, step: int, chosen: tuple[int, int] | None = None, stretch: int = 1
+    ) -> StepHyper:
         """Every hyperparameter's value at ``step``, checked (a bad schedule value raises).
 
         ``chosen``: the automatic choice's ``(factor, inverse)`` intervals once
@@ -587,11 +619,13 @@ class KFACOptions:
         and an automatic ``factor_decay`` follows the factor interval in force
         (:func:`auto_decay`). Before the choice the automatic options hold
         placeholders (factors every :data:`MIN_FACTOR_STEPS`, inverses every
-        :data:`MIN_INV_STEPS` steps).
+        :data:`MIN_INV_STEPS` steps). ``stretch`` (``adaptive_intervals``,
+        :mod:`kaisa.cadence`) multiplies both intervals; an automatic decay
+        follows the stretched factor interval.
         """
         hyper, auto = self.hyper, self.auto
-        factor_steps = self.factor_interval(step, chosen)
-        inv_steps = self.inverse_interval(step, chosen)
+        factor_steps = self.factor_interval(step, chosen, stretch)
+        inv_steps = self.inverse_interval(step, chosen, stretch)
         if "factor_decay" not in auto:
             decay = hyper["factor_decay"].at(step)
         elif chosen is None:
@@ -607,7 +641,7 @@ class KFACOptions:
                 if steps.constant is not None
                 else MIN_FACTOR_STEPS
             )
-            decay = auto_decay(interval)
+            decay = auto_decay(interval * stretch)
         kl_clip = hyper.get("kl_clip")
         return StepHyper(
             factor_update_steps=factor_steps,
@@ -619,17 +653,25 @@ class KFACOptions:
             lr=hyper["lr"].at(step) if "lr" in hyper else 0.0,
         )
 
-    def factor_interval(self, step: int, chosen: tuple[int, int] | None = None) -> int:
+    def factor_interval(
+        self, step: int, chosen: tuple[int, int] | None = None, stretch: int = 1
+    ) -> int:
         """``factor_update_steps`` at ``step`` (see :meth:`resolve`), alone."""
         if "factor_update_steps" in self.auto:
-            return chosen[0] if chosen is not None else MIN_FACTOR_STEPS
-        return self.hyper["factor_update_steps"].int_at(step)
+            base = chosen[0] if chosen is not None else MIN_FACTOR_STEPS
+        else:
+            base = self.hyper["factor_update_steps"].int_at(step)
+        return base * stretch
 
-    def inverse_interval(self, step: int, chosen: tuple[int, int] | None = None) -> int:
+    def inverse_interval(
+        self, step: int, chosen: tuple[int, int] | None = None, stretch: int = 1
+    ) -> int:
         """``inv_update_steps`` at ``step`` (see :meth:`resolve`), alone."""
         if "inv_update_steps" in self.auto:
-            return chosen[1] if chosen is not None else MIN_INV_STEPS
-        return self.hyper["inv_update_steps"].int_at(step)
+            base = chosen[1] if chosen is not None else MIN_INV_STEPS
+        else:
+            base = self.hyper["inv_update_steps"].int_at(step)
+        return base * stretch
 
     def describe_hyper(self, values: StepHyper) -> str:
         """``name=value`` for each hyperparameter: as given, or as chosen when automatic."""

@@ -24,6 +24,7 @@ from torch import nn
 
 from kaisa.attachment import attach, claim, holders, release, replaced, taken_over
 from kaisa.autochoice import AutoChoice
+from kaisa.cadence import IntervalStretch
 from kaisa.capture import Capturer
 from kaisa.checkpoint import CheckpointTarget, StateDictOnly, read_state, write_state
 from kaisa.curvature.block import (
@@ -156,6 +157,7 @@ class KFACPreconditioner(StateDictOnly):
         eigenvalue_correction: str = "off",
         eigenvalue_decay: float = 0.99,
         eigenbasis_tolerance: float | None = None,
+        adaptive_intervals: bool = False,
         grafting: str = "off",
         cost_model: CostModel = DEFAULT_COST_MODEL,
         process_group: dist.ProcessGroup | None = None,
@@ -258,6 +260,8 @@ class KFACPreconditioner(StateDictOnly):
         self._watch = Watch(model, modules)  # once-only reports; the loop's checks
         self._steps = 0
         self._peak_capture_bytes = 0
+        #: The intervals' multiplier (``adaptive_intervals``; 1 otherwise).
+        self._stretch = IntervalStretch(options.adaptive_intervals)
         self._capturer.enabled = self._is_factor_step()
         self._force_inverse_update = False
         if not self._auto.pending:
@@ -367,7 +371,7 @@ class KFACPreconditioner(StateDictOnly):
 
     def hyperparameters(self) -> StepHyper:
         """Every hyperparameter's value at the current step (a bad schedule value raises)."""
-        return self.options.resolve(self._steps, self._auto.intervals)
+        return self.options.resolve(self._steps, self._auto.intervals, self._stretch.factor)
 
     def hyperparameter(self, name: str) -> float | None:
         """The value of a hyperparameter at the current step (``None`` for kl_clip off)."""
@@ -376,13 +380,21 @@ class KFACPreconditioner(StateDictOnly):
         value = getattr(self.hyperparameters(), name)
         return None if value is None else float(value)
 
+    @property
+    def interval_stretch(self) -> int:
+        """The multiplier of the factor and inverse intervals in force (``adaptive_intervals``:
+        1, 2, 4 or 8; always 1 without it)."""
+        return self._stretch.factor
+
     def _is_factor_step(self) -> bool:
-        interval = self.options.factor_interval(self._steps, self._auto.intervals)
+        interval = self.options.factor_interval(
+            self._steps, self._auto.intervals, self._stretch.factor
+        )
         return self._steps % interval == 0
 
     def _is_update_step(self) -> bool:
         """The current step updates factors or second-order state (by the schedules)."""
-        inv = self.options.inverse_interval(self._steps, self._auto.intervals)
+        inv = self.options.inverse_interval(self._steps, self._auto.intervals, self._stretch.factor)
         return self._is_factor_step() or self._steps % inv == 0
 
     # -- hooks -----------------------------------------------------------------------
@@ -500,6 +512,7 @@ class KFACPreconditioner(StateDictOnly):
 
     def _update_second_order(self, damping: float) -> None:
         rank = self.rank
+        keepable = kept = 0  # this rank's sides that could keep their eigenbasis, and did
         with self.telemetry.timer("decomposition"):
             for layer in self._roster:
                 if not layer.active:  # (dormant, or a shared weight's other use)
@@ -512,7 +525,10 @@ class KFACPreconditioner(StateDictOnly):
                     self.telemetry.side_refreshes += 1
                     if layer.decompose(which, damping):  # type: ignore[arg-type]
                         done.append(which)  # type: ignore[arg-type]
-                        self.telemetry.kept_eigenbases += layer.basis_kept(which)  # type: ignore[arg-type]
+                        held = layer.basis_kept(which)  # type: ignore[arg-type]
+                        self.telemetry.kept_eigenbases += held
+                        if layer.can_keep_basis(which):  # type: ignore[arg-type]
+                            keepable, kept = keepable + 1, kept + held
                     else:
                         self.telemetry.failed_decompositions += 1
                 # Too coarse in float32 for this damping: redone in float64.
@@ -527,6 +543,19 @@ class KFACPreconditioner(StateDictOnly):
         with self.telemetry.timer("decomposition"):
             for layer in working:
                 layer.finish_update(damping)
+        if self._stretch.enabled:
+            # Each side is refreshed by one rank: the sums are every rank's counts.
+            rows = self.comm.gather_values([keepable, kept])
+            totals = [int(sum(column)) for column in zip(*rows, strict=True)]
+            if self._stretch.observe(*totals):
+                self.telemetry.interval_changes += 1
+                log.info(
+                    "kaisa: step %d: %d of %d eigenbases decomposed; intervals now x%d",
+                    self._steps,
+                    totals[0] - totals[1],
+                    totals[0],
+                    self._stretch.factor,
+                )
 
     def _precondition(self, hyper: StepHyper) -> None:
         pairs: list[tuple[Layer, torch.Tensor, torch.Tensor]] = []
@@ -616,6 +645,7 @@ class KFACPreconditioner(StateDictOnly):
             choice=self._auto.choice,
             blocks={layer.name: layer.state_dict() for layer in self._roster},
             fraction=self.grad_worker_choice,
+            stretch=self._stretch,
         )
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -651,6 +681,9 @@ class KFACPreconditioner(StateDictOnly):
             second, shared = layer.name in restore.second_order, restore.shared.get(layer.name)
             layer.load_checked(restore.blocks[layer.name], second_order=second, shared=shared)
         self._steps = restore.steps
+        if self._stretch.enabled:
+            saved = restore.stretch.state_dict() if restore.stretch is not None else {"factor": 1}
+            self._stretch.load_state_dict(saved)
         self._auto.restored(self._steps)
         self._capturer.enabled = self._is_factor_step()
         self._force_inverse_update = restore.recompute

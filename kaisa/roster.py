@@ -87,6 +87,13 @@ class Layer:
             return self.shared.kept[which]
         return self.block.basis_kept(which)
 
+    def can_keep_basis(self, which: Factor) -> bool:
+        """Whether a refresh of side ``which`` may keep its eigenbasis (the block's, or the
+        shared weight's: a decomposed side with ``eigenbasis_tolerance``)."""
+        if self.shared is not None:
+            return self.shared.can_keep_basis(which)
+        return self.block.can_keep_basis(which)
+
     def refine(self, done: Sequence[Factor], damping: float) -> dict[Factor, float]:
         """The block's float64 redo (:meth:`KroneckerBlock.refine`); none for a shared weight."""
         return {} if self.shared is not None else self.block.refine(done, damping)

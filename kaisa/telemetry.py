@@ -75,6 +75,9 @@ class Telemetry:
         kept_eigenbases: of those, refreshes that kept the held eigenbasis and
             refreshed only the eigenvalues (``eigenbasis_tolerance``): each one
             a decomposition saved.
+        interval_changes: changes of the intervals' multiplier
+            (``adaptive_intervals``; the multiplier in force is
+            ``KFACPreconditioner.interval_stretch``).
         failed_decompositions: decompositions that failed (state kept).
         float64_decompositions: float32 eigendecompositions redone in float64
             because the damped solve would have been inaccurate
@@ -102,6 +105,7 @@ class Telemetry:
         self.outlier_factor_updates = 0
         self.side_refreshes = 0
         self.kept_eigenbases = 0
+        self.interval_changes = 0
         self.failed_decompositions = 0
         self.float64_decompositions = 0
         self.kl_clipped_steps = 0
@@ -163,6 +167,7 @@ class Telemetry:
             f"outlier_factor_updates={self.outlier_factor_updates}, "
             f"side_refreshes={self.side_refreshes}, "
             f"kept_eigenbases={self.kept_eigenbases}, "
+            f"interval_changes={self.interval_changes}, "
             f"failed_decompositions={self.failed_decompositions}, "
             f"float64_decompositions={self.float64_decompositions}, "
             f"kl_clipped_steps={self.kl_clipped_steps})"
@@ -181,6 +186,7 @@ class Telemetry:
             "outlier_factor_updates": self.outlier_factor_updates,
             "side_refreshes": self.side_refreshes,
             "kept_eigenbases": self.kept_eigenbases,
+            "interval_changes": self.interval_changes,
             "failed_decompositions": self.failed_decompositions,
             "float64_decompositions": self.float64_decompositions,
             "kl_clipped_steps": self.kl_clipped_steps,

@@ -570,6 +570,14 @@ def _corrupt(d: Path) -> Path:
         (lambda d, t: ["--data-dir", str(d), "--eigenvalue-correction", "on"], "'ekfac'"),
         (lambda d, t: ["--data-dir", str(d), "--eigenbasis-tolerance", "1"], "in [0, 1)"),
         (lambda d, t: ["--data-dir", str(d), "--time-budget", "0"], "--time-budget"),
+        (
+            lambda d, t: ["--data-dir", str(d), "--adaptive-intervals", "yes"],
+            "--adaptive-intervals",
+        ),
+        (
+            lambda d, t: ["--data-dir", str(d), "--adaptive-intervals", "on"],
+            "give eigenbasis_tolerance too",
+        ),
         (lambda d, t: ["--data-dir", str(d), "--no-such-option"], "unrecognized"),
     ],
 )
@@ -641,7 +649,7 @@ def test_curvature_and_the_eigenvalue_correction_reach_both_kaisa_arms() -> None
     suite = _suite(
         "--workload", "gpt", "--arms", "adamw,kaisa-sgd,kaisa-adamw", "--curvature", "Exact",
         "--eigenvalue-correction", "ekfac", "--factor-update-steps", "5",
-        "--eigenbasis-tolerance", "0.05", "--time-budget", "2",
+        "--eigenbasis-tolerance", "0.05", "--time-budget", "2", "--adaptive-intervals", "on",
     )  # fmt: skip
     for arm in suite.workloads[0].arms:
         if arm.name == "adamw":
@@ -653,6 +661,7 @@ def test_curvature_and_the_eigenvalue_correction_reach_both_kaisa_arms() -> None
             "curvature": "exact",
             "eigenvalue_correction": "ekfac",
             "eigenbasis_tolerance": 0.05,
+            "adaptive_intervals": True,
             "time_budget": 2.0,
         }
     assert _suite("--curvature", "lowrank:16").workloads[0].arms[4].kfac.overrides() == {

@@ -326,6 +326,16 @@ class KroneckerBlock:
         side = self.sides[which]
         return isinstance(side, ExactSide) and side.basis_kept
 
+    def can_keep_basis(self, which: Factor) -> bool:
+        """Whether a refresh of side ``which`` may keep its eigenbasis: exact, eigen
+        method, with ``eigenbasis_tolerance`` (``adaptive_intervals`` counts these)."""
+        side = self.sides[which]
+        return (
+            isinstance(side, ExactSide)
+            and side.method == "eigen"
+            and side.basis_tolerance is not None
+        )
+
     def refine(self, sides: Sequence[Factor], damping: float) -> dict[Factor, float]:
         """Redo in float64 the float32 eigendecompositions among ``sides`` that are too coarse.
 

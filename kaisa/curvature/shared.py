@@ -183,6 +183,11 @@ class SharedCurvature:
                 pieces.append((padded, False))
         return pieces
 
+    def can_keep_basis(self, which: Factor) -> bool:
+        """Whether a refresh of side ``which`` may keep its eigenbasis (decomposed, with
+        ``basis_tolerance``)."""
+        return self.basis_tolerance is not None and self.kind(which) != "diagonal"
+
     def kind(self, which: Factor, specs: Mapping[str, tuple[str, str]] | None = None) -> str:
         """``'exact'`` (decomposed) when some use holds side ``which`` exact, else
         ``'diagonal'``; for the uses' representations ``specs``

@@ -357,6 +357,11 @@ _KFAC_OPTIONS: _Options = {
         "to within this off-diagonal share; decompose only stale ones",
         {"type": _fraction},
     ),
+    "--adaptive-intervals": (
+        "'on': stretch the factor and inverse intervals up to 8x while few eigenbases go "
+        "stale (needs --eigenbasis-tolerance); 'off': the intervals as given",
+        {"type": _on_off, "metavar": "{on,off}"},
+    ),
     "--time-budget": (
         "the automatic choice's allowance: K-FAC's work per step at most this many times "
         "the layers' own forward and backward work",

@@ -328,6 +328,7 @@ class KfacConfig:
     curvature: str | None = None
     eigenvalue_correction: str | None = None
     eigenbasis_tolerance: float | None = None
+    adaptive_intervals: bool | None = None
     time_budget: float | None = None
 
     def overrides(self) -> dict[str, Any]:

@@ -94,6 +94,7 @@ _PLAIN = (
     "eigenvalue_correction",
     "eigenvalue_decay",
     "eigenbasis_tolerance",
+    "adaptive_intervals",
     "grafting",
     "time_budget",
     "calibrate_budget",

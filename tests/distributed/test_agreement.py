@@ -162,6 +162,7 @@ def test_digest_records_what_must_agree() -> None:
         "time_budget",
         "update_factors_in_hook",
         "eigenbasis_tolerance",
+        "adaptive_intervals",
         "inv_dtype",
     ):
         assert key in digest
@@ -190,6 +191,11 @@ def test_digest_is_deterministic_and_sensitive() -> None:
     ):
         assert header(other).tolist() != header(base).tolist()
         assert differences([base, other])
+    # adaptive_intervals alone makes a difference.
+    tolerant = _digest(eigenbasis_tolerance=0.05)
+    adaptive = _digest(eigenbasis_tolerance=0.05, adaptive_intervals=True)
+    assert header(adaptive).tolist() != header(tolerant).tolist()
+    assert differences([tolerant, adaptive])
     # The same tolerance given as an int and as a float is the same option.
     same = _digest(eigenbasis_tolerance=0), _digest(eigenbasis_tolerance=0.0)
     assert header(same[0]).tolist() == header(same[1]).tolist()

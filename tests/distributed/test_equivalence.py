@@ -256,6 +256,8 @@ class Config:
     damping_scale: float = 1.0
     # eigenbasis_tolerance: bases kept while they still diagonalise the factors.
     basis_tolerance: float | None = None
+    # adaptive_intervals: the intervals stretched while bases stay kept.
+    adaptive: bool = False
 
     def reference_key(self) -> ReferenceKey:
         """The single-process run this configuration must reproduce.
@@ -277,6 +279,7 @@ class Config:
             self.grafting,
             self.damping_scale,
             self.basis_tolerance,
+            self.adaptive,
         )
 
 
@@ -361,6 +364,20 @@ def configs(world_size: int) -> list[Config]:
                 colocate_factors=False,
                 ddp=i % 2 == 1,
             ),
+            # Intervals that follow the bases (adaptive_intervals): at this
+            # tolerance every side keeps its first (identity) basis at step 0, so
+            # the intervals double there on every rank alike (the counts are
+            # summed over the ranks): steps 1 and 3 capture nothing, step 2
+            # refreshes nothing.
+            Config(
+                f,
+                "eigen",
+                relative=True,
+                basis_tolerance=0.9,
+                adaptive=True,
+                symmetry_aware=i % 2 == 1,
+                ddp=i % 2 == 0,
+            ),
         ]
     mixed = []
     for i, f in enumerate(fractions(world_size)):
@@ -427,6 +444,7 @@ def make_preconditioner(model: nn.Module, config: Config) -> kaisa.KFACPrecondit
         eigenvalue_correction=config.correction,
         grafting=config.grafting,
         eigenbasis_tolerance=config.basis_tolerance,
+        adaptive_intervals=config.adaptive,
     )
 
 
@@ -490,11 +508,14 @@ def train(config: Config, rank: int, world_size: int) -> list[torch.Tensor]:
     preconditioner.remove_hooks()
     telemetry = preconditioner.telemetry
     KEPT[config] = (telemetry.kept_eigenbases, telemetry.side_refreshes)
+    STRETCH[config] = preconditioner.interval_stretch
     return history
 
 
 #: Per configuration run in this process: (bases kept, side refreshes) of its last run.
 KEPT: dict[Config, tuple[int, int]] = {}
+#: Per configuration run in this process: the intervals' multiplier after its last run.
+STRETCH: dict[Config, int] = {}
 
 
 def _worker(rank: int, world_size: int, config_dicts: list[dict[str, object]]) -> list[object]:
@@ -519,6 +540,7 @@ def reference(config: Config) -> torch.Tensor:
         grafting=config.grafting,
         damping_scale=config.damping_scale,
         basis_tolerance=config.basis_tolerance,
+        adaptive=config.adaptive,
     )
     return torch.stack(train(plain, 0, 1))
 
@@ -604,7 +626,11 @@ def test_the_tolerance_configurations_keep_some_bases_and_refresh_others() -> No
     """The equivalence above has teeth for ``eigenbasis_tolerance``: in one process each
     such configuration keeps some bases and decomposes others, and moves the weights
     differently from refreshing every basis."""
-    tolerant = [c for c in configs(2) if c.basis_tolerance is not None and c.fraction == 1.0]
+    tolerant = [
+        c
+        for c in configs(2)
+        if c.basis_tolerance is not None and c.fraction == 1.0 and not c.adaptive
+    ]
     assert tolerant
     with single_thread():
         for config in tolerant:
@@ -614,6 +640,20 @@ def test_the_tolerance_configurations_keep_some_bases_and_refresh_others() -> No
             assert 0 < kept < refreshes, config
             every = train(dataclasses.replace(plain, basis_tolerance=None), 0, 1)[-1]
             assert not torch.allclose(weights, every, atol=10 * CORRECTED_TOLERANCE), config
+
+
+def test_the_adaptive_configuration_stretches_its_intervals() -> None:
+    """The equivalence above has teeth for ``adaptive_intervals``: in one process the
+    intervals double at step 0, and the weights differ from the same run without it."""
+    (config,) = [c for c in configs(2) if c.adaptive and c.fraction == 1.0]
+    with single_thread():
+        plain = dataclasses.replace(config, ddp=False, symmetry_aware=False)
+        weights = train(plain, 0, 1)[-1]
+        assert STRETCH[plain] == 2
+        fixed = dataclasses.replace(plain, adaptive=False)
+        unstretched = train(fixed, 0, 1)[-1]
+        assert STRETCH[fixed] == 1
+        assert not torch.allclose(weights, unstretched, atol=10 * TOLERANCE)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
