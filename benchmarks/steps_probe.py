@@ -279,6 +279,9 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
                 telemetry = made[0].telemetry
                 row["side_refreshes"] = telemetry.side_refreshes
                 row["kept_eigenbases"] = telemetry.kept_eigenbases
+                if made[0].options.adaptive_intervals:  # the intervals' multiplier at the end
+                    row["interval_stretch"] = made[0].interval_stretch
+                    row["interval_changes"] = telemetry.interval_changes
             choice = result.kfac_choice
             if choice:
                 row["intervals"] = [choice["factor_update_steps"], choice["inv_update_steps"]]

@@ -312,6 +312,26 @@ def test_muon_takes_every_linear_weight_inside_the_blocks(tied: bool) -> None:
 
 
 @pytest.mark.timeout(240)
+def test_the_demo_records_the_intervals_stretch(
+    corpus_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Factors and inverses every step, every side exact (the budget allows it) and
+    # a tolerance at which bases are kept: the intervals stretch, and the results
+    # and the summary say by how much.
+    out = tmp_path / "out"
+    code = main(["--text-dir", str(corpus_dir), "--out", str(out), *TINY_LM_ARGS,
+                 "--arms", "kaisa-adamw", "--factor-update-steps", "1", "--inv-update-steps",
+                 "1", "--eigenbasis-tolerance", "0.9", "--adaptive-intervals", "on",
+                 "--time-budget", "100"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    results = json.loads((out / "gpt" / "results.json").read_text())
+    choice = results["arms"]["kaisa-adamw"]["curvature_choice"]
+    assert choice["interval_stretch"] in (2, 4, 8) and choice["interval_changes"] >= 1
+    assert f"(adaptive_intervals: x{choice['interval_stretch']} at the end" in captured.out
+
+
+@pytest.mark.timeout(240)
 def test_demo_on_the_language_model(
     corpus_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -435,10 +455,11 @@ def test_steps_probe_runs_any_arm_on_the_language_model(
         assert 0 < r["train_s"] <= r["wall_s"] + 0.1
     assert rows[0]["kfac_s"] == 0.0 and 0 < rows[1]["kfac_s"] < rows[1]["train_s"]
     assert "side_refreshes" not in rows[1]
-    # With eigenbasis_tolerance the row counts the refreshes and the bases kept.
+    # With eigenbasis_tolerance the row counts the refreshes and the bases kept
+    # (and with adaptive_intervals the intervals' multiplier at the end).
     kfac = (
         '{"curvature": "exact", "factor_update_steps": 1, "inv_update_steps": 1, '
-        '"eigenbasis_tolerance": 0.5}'
+        '"eigenbasis_tolerance": 0.5, "adaptive_intervals": true}'
     )
     code = probe.main(["--workload", "gpt", "--arm", "kaisa-adamw", "--seeds", "0",
                        "--max-steps", "4", "--kfac", kfac, "--text-dir", str(corpus_dir),
@@ -446,6 +467,8 @@ def test_steps_probe_runs_any_arm_on_the_language_model(
     assert code == 0
     last = json.loads(out.read_text().splitlines()[-1])
     assert last["side_refreshes"] > 0 and 0 <= last["kept_eigenbases"] <= last["side_refreshes"]
+    assert last["interval_stretch"] in (1, 2, 4, 8) and last["interval_changes"] >= 0
+    assert "interval_stretch" not in rows[1]
     assert 0 < last["kfac_s"] < last["train_s"]
     with pytest.raises(SystemExit):
         probe.main(["--workload", "gpt", "--arm", "adamw", "--kfac", '{"damping": 0.1}',

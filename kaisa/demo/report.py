@@ -431,7 +431,14 @@ def _choice_text(row: dict[str, Any]) -> str:
     share = float(choice.get("kfac_work", 0.0)) / max(float(choice.get("training_work", 1)), 1e-30)
     return (
         f"factors/inverses every {choice.get('factor_update_steps')}/"
-        f"{choice.get('inv_update_steps')} steps, modelled share {share:.3f}"
+        f"{choice.get('inv_update_steps')} steps"
+        + (
+            f" (adaptive_intervals: x{choice['interval_stretch']} at the end, "
+            f"{choice.get('interval_changes', 0)} change(s))"
+            if "interval_stretch" in choice
+            else ""
+        )
+        + f", modelled share {share:.3f}"
         + (
             f", budget scaled by the clock {float(choice.get('time_scale', 1.0)):.3g}x"
             if choice.get("calibrated")

@@ -677,6 +677,9 @@ def _arm_run(
     choice = getattr(pre, "curvature_choice", None)
     if choice is not None:
         result.kfac_choice = _jsonable(dataclasses.asdict(choice))
+        if pre is not None and pre.options.adaptive_intervals:  # the intervals were stretched
+            result.kfac_choice["interval_stretch"] = pre.interval_stretch
+            result.kfac_choice["interval_changes"] = pre.telemetry.interval_changes
     if pre is not None:
         result.kl_clipped_steps = pre.telemetry.kl_clipped_steps
     # K-FAC's cost: the time inside preconditioner.step() plus what its hooks
