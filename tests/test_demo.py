@@ -987,9 +987,13 @@ def test_the_summary_names_kaisas_automatic_choice() -> None:
         "factors/inverses every 80/100 steps, modelled share 0.090, budget scaled by the clock "
         "2.83x; A/G held as: fc1 kvec/lowrank:8"
     )
-    row["curvature_choice"].update(calibrated=False, interval_stretch=4, interval_changes=7)
+    row["curvature_choice"].update(calibrated=False)
+    row["interval_stretch"] = {"factor": 4, "changes": 7}
     assert _choice_text(row) == (
         "factors/inverses every 80/100 steps (adaptive_intervals: x4 at the end, 7 change(s)), "
         "modelled share 0.090; A/G held as: fc1 kvec/lowrank:8"
+    )
+    assert _choice_text({"interval_stretch": {"factor": 2, "changes": 1}}) == (
+        "no automatic choice, intervals as given (adaptive_intervals: x2 at the end, 1 change(s))"
     )
     assert _choice_text({}) == ""

@@ -315,20 +315,27 @@ def test_muon_takes_every_linear_weight_inside_the_blocks(tied: bool) -> None:
 def test_the_demo_records_the_intervals_stretch(
     corpus_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # Factors and inverses every step, every side exact (the budget allows it) and
-    # a tolerance at which bases are kept: the intervals stretch, and the results
-    # and the summary say by how much.
-    out = tmp_path / "out"
-    code = main(["--text-dir", str(corpus_dir), "--out", str(out), *TINY_LM_ARGS,
-                 "--arms", "kaisa-adamw", "--factor-update-steps", "1", "--inv-update-steps",
-                 "1", "--eigenbasis-tolerance", "0.9", "--adaptive-intervals", "on",
-                 "--time-budget", "100"])  # fmt: skip
-    captured = capsys.readouterr()
-    assert code == 0, captured.err
-    results = json.loads((out / "gpt" / "results.json").read_text())
-    choice = results["arms"]["kaisa-adamw"]["curvature_choice"]
-    assert choice["interval_stretch"] in (2, 4, 8) and choice["interval_changes"] >= 1
-    assert f"(adaptive_intervals: x{choice['interval_stretch']} at the end" in captured.out
+    # Factors and inverses every step, every side exact (by the budget, or given)
+    # and a tolerance at which bases are kept: the intervals stretch, and the
+    # results and the summary say by how much, with and without a choice.
+    cases = (
+        (["--time-budget", "100"], "factors/inverses every 1/1 steps"),
+        (["--curvature", "exact"], "no automatic choice, intervals as given"),
+    )
+    for given, choice_line in cases:
+        out = tmp_path / given[0].strip("-")
+        code = main(["--text-dir", str(corpus_dir), "--out", str(out), *TINY_LM_ARGS,
+                     "--arms", "kaisa-adamw", "--factor-update-steps", "1",
+                     "--inv-update-steps", "1", "--eigenbasis-tolerance", "0.9",
+                     "--adaptive-intervals", "on", *given])  # fmt: skip
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        results = json.loads((out / "gpt" / "results.json").read_text())
+        stretch = results["arms"]["kaisa-adamw"]["interval_stretch"]
+        assert stretch["factor"] in (2, 4, 8) and stretch["changes"] >= 1
+        assert f"{choice_line} (adaptive_intervals: x{stretch['factor']} at the end" in (
+            captured.out
+        )
 
 
 @pytest.mark.timeout(240)
@@ -361,6 +368,7 @@ def test_demo_on_the_language_model(
         assert arm["steps_to_target"] == arm["per_seed"][0]["steps_to_target"] < 24
         assert arm["hyperparameters"]["lr"] == _demo_lr(name)
     assert results["comparisons"]["kaisa-adamw"]["vs_base"]["arm"] == "adamw"
+    assert results["arms"]["kaisa-adamw"]["interval_stretch"] == {}  # (no adaptive_intervals)
     with (out / "gpt" / "evaluations.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert {r["arm"] for r in rows} == {"adamw", "kaisa-adamw"}

@@ -255,6 +255,7 @@ def summarize(
             entry["kfac_phase_seconds"] = _phase_medians(per_seed)
             entry["kfac_options"] = mine[0].kfac_options if mine else {}
             entry["curvature_choice"] = mine[0].kfac_choice if mine else {}
+            entry["interval_stretch"] = mine[0].interval_stretch if mine else {}
         entry["per_seed"] = per_seed
         arms[arm.name] = entry
     steps_per_epoch = runs[0].steps_per_epoch if runs else None
@@ -361,6 +362,7 @@ def summarize_suite(
                 row["kfac_share"] = arm["kfac_share"]
                 row["kfac_phase_seconds"] = arm["kfac_phase_seconds"]
                 row["curvature_choice"] = arm.get("curvature_choice") or {}
+                row["interval_stretch"] = arm.get("interval_stretch") or {}
             rows.append(row)
     return {
         "rows": rows,

@@ -419,10 +419,21 @@ def _phase_text(row: dict[str, Any]) -> str:
 
 
 def _choice_text(row: dict[str, Any]) -> str:
-    """kaisa's automatic choice (seed 0's), e.g. 'factors/inverses every 80/100; fc1 A kvec'."""
+    """kaisa's automatic choice (seed 0's), e.g. 'factors/inverses every 80/100; fc1 A kvec'.
+
+    With ``adaptive_intervals`` it says how far the intervals were stretched,
+    with or without an automatic choice.
+    """
     choice = row.get("curvature_choice") or {}
+    stretch = row.get("interval_stretch") or {}
+    stretched = (
+        f" (adaptive_intervals: x{stretch['factor']} at the end, "
+        f"{stretch.get('changes', 0)} change(s))"
+        if stretch
+        else ""
+    )
     if not choice:
-        return ""
+        return f"no automatic choice, intervals as given{stretched}" if stretched else ""
     held = [
         f"{name} {a}/{g}"
         for name, (a, g) in choice.get("specs", {}).items()
@@ -431,14 +442,7 @@ def _choice_text(row: dict[str, Any]) -> str:
     share = float(choice.get("kfac_work", 0.0)) / max(float(choice.get("training_work", 1)), 1e-30)
     return (
         f"factors/inverses every {choice.get('factor_update_steps')}/"
-        f"{choice.get('inv_update_steps')} steps"
-        + (
-            f" (adaptive_intervals: x{choice['interval_stretch']} at the end, "
-            f"{choice.get('interval_changes', 0)} change(s))"
-            if "interval_stretch" in choice
-            else ""
-        )
-        + f", modelled share {share:.3f}"
+        f"{choice.get('inv_update_steps')} steps{stretched}, modelled share {share:.3f}"
         + (
             f", budget scaled by the clock {float(choice.get('time_scale', 1.0)):.3g}x"
             if choice.get("calibrated")

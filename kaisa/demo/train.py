@@ -153,6 +153,9 @@ class RunResult:
     #: What kaisa's time budget chose: each layer's representations, the
     #: intervals, the modelled share (K-FAC arms with an automatic choice only).
     kfac_choice: dict[str, Any] = field(default_factory=dict)
+    #: With ``adaptive_intervals``: the intervals' multiplier at the end
+    #: (``factor``) and how often it changed (``changes``); empty otherwise.
+    interval_stretch: dict[str, int] = field(default_factory=dict)
     #: What the run is measured by (a key of ``METRICS``): which evaluation
     #: value the target applies to and which way is better.
     metric: str = "accuracy"
@@ -677,11 +680,13 @@ def _arm_run(
     choice = getattr(pre, "curvature_choice", None)
     if choice is not None:
         result.kfac_choice = _jsonable(dataclasses.asdict(choice))
-        if pre is not None and pre.options.adaptive_intervals:  # the intervals were stretched
-            result.kfac_choice["interval_stretch"] = pre.interval_stretch
-            result.kfac_choice["interval_changes"] = pre.telemetry.interval_changes
     if pre is not None:
         result.kl_clipped_steps = pre.telemetry.kl_clipped_steps
+        if pre.options.adaptive_intervals:  # the intervals in force were stretched
+            result.interval_stretch = {
+                "factor": pre.interval_stretch,
+                "changes": pre.telemetry.interval_changes,
+            }
     # K-FAC's cost: the time inside preconditioner.step() plus what its hooks
     # spend during the forward and backward passes (captures, factor products,
     # all-reduce launches): the telemetry's phase time accrued between steps.
