@@ -547,6 +547,14 @@ class KFACPreconditioner(StateDictOnly):
             # Each side is refreshed by one rank: the sums are every rank's counts.
             rows = self.comm.gather_values([keepable, kept])
             totals = [int(sum(column)) for column in zip(*rows, strict=True)]
+            if totals[0] == 0 and self._watch.once("adaptive without bases"):
+                warn(
+                    "kaisa: adaptive_intervals follows the eigenbases that eigenbasis_tolerance "
+                    "may keep, and no side here holds one (none is exact with "
+                    "compute_method='eigen'; see coverage()): the intervals stay as given. Hold "
+                    "sides exact (curvature='exact', or a larger time_budget), or leave "
+                    "adaptive_intervals=False"
+                )
             if self._stretch.observe(*totals):
                 self.telemetry.interval_changes += 1
                 log.info(

@@ -187,3 +187,17 @@ def test_refused_options_name_themselves() -> None:
     hyper = pre.hyperparameters()
     assert hyper.factor_update_steps == 2 * chosen.factor_update_steps
     assert hyper.inv_update_steps == 2 * chosen.inv_update_steps
+
+
+def test_no_basis_to_follow_is_said_once_and_the_intervals_stay() -> None:
+    model = _net()
+    pre = kaisa.KFACPreconditioner(
+        model,
+        eigenbasis_tolerance=0.9,
+        adaptive_intervals=True,
+        **{**OPTIONS, "curvature": "diagonal"},
+    )
+    with pytest.warns(RuntimeWarning, match="no side here holds one") as caught:
+        _train(model, pre, range(10))
+    assert sum("adaptive_intervals" in str(w.message) for w in caught) == 1
+    assert pre.interval_stretch == 1 and pre.hyperparameters().factor_update_steps == 2
