@@ -47,8 +47,6 @@ class IntervalStretch:
         self.enabled = enabled
         #: The intervals in force are the given (or chosen) ones times this.
         self.factor = 1
-        #: Multiplier changes so far (telemetry and tests read it).
-        self.changes = 0
 
     def observe(self, keepable: int, kept: int) -> bool:
         """One inverse update's counts over all ranks; returns whether the multiplier changed.
@@ -66,21 +64,17 @@ class IntervalStretch:
             self.factor = min(MAX_STRETCH, 2 * self.factor)
         elif stale > STALE_HIGH:
             self.factor = max(1, self.factor // 2)
-        if self.factor != before:
-            self.changes += 1
-            return True
-        return False
+        return self.factor != before
 
     def state_dict(self) -> dict[str, Any]:
-        return {"factor": self.factor, "changes": self.changes}
+        return {"factor": self.factor}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a saved multiplier; a bad value raises and changes nothing."""
         factor = check_count(state.get("factor"), "state_dict 'interval_stretch' factor")
-        changes = check_count(state.get("changes", 0), "state_dict 'interval_stretch' changes")
         if factor < 1 or factor > MAX_STRETCH or factor & (factor - 1):
             raise ValueError(
                 f"state_dict 'interval_stretch' factor must be a power of 2 in [1, "
                 f"{MAX_STRETCH}]; got {factor}"
             )
-        self.factor, self.changes = factor, changes
+        self.factor = factor

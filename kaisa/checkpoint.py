@@ -359,7 +359,7 @@ def read_state(state_dict: object, target: CheckpointTarget) -> Restore:
         saved_stretch = state_dict["interval_stretch"]
         if not isinstance(saved_stretch, Mapping):
             raise TypeError(
-                "state_dict 'interval_stretch' must be a dict (factor, changes); got "
+                "state_dict 'interval_stretch' must be a dict holding 'factor'; got "
                 f"{type(saved_stretch).__name__}"
             )
         stretch = IntervalStretch(target.options.adaptive_intervals)
