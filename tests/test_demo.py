@@ -382,6 +382,7 @@ def test_demo_both_arms(
     )
     assert arms["kaisa-sgd"]["kfac_seconds_per_step"] > 0
     assert results["shared"]["lockstep"] is not sequential  # type: ignore[index]
+    assert results["shared"]["device"] == "cpu"  # type: ignore[index]
 
 
 @pytest.mark.timeout(120)
@@ -578,6 +579,9 @@ def _corrupt(d: Path) -> Path:
             lambda d, t: ["--data-dir", str(d), "--adaptive-intervals", "on"],
             "give eigenbasis_tolerance too",
         ),
+        (lambda d, t: ["--data-dir", str(d), "--device", "tpu"], "expected cpu, cuda or cuda:K"),
+        # No such device here: CUDA missing (a CPU machine) or too few GPUs.
+        (lambda d, t: ["--data-dir", str(d), "--device", "cuda:99"], "--device: cuda:99"),
         (lambda d, t: ["--data-dir", str(d), "--no-such-option"], "unrecognized"),
     ],
 )

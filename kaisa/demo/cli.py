@@ -82,6 +82,7 @@ DEFAULTS: dict[str, Any] = {
     "seeds": (0, 1, 2),
     "threads": 2,
     "nproc": 1,
+    "device": "cpu",
     "stop_at_target": True,
     "progress_seconds": 30.0,
 }
@@ -145,6 +146,19 @@ def _checked(
     return check
 
 
+def _device_text(text: str) -> str:
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ValueError(text) from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(text)
+    return str(device)
+
+
+_device = _checked(_device_text, lambda v: True, "cpu, cuda or cuda:K")
 _positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
 _positive_float = _checked(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
 _nonnegative_float = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
@@ -520,6 +534,12 @@ def _option_groups() -> list[tuple[str, str | None, _Options]]:
             "torch threads in all, divided among the --nproc processes (at least 1 each)",
             {"type": _positive_int, "default": d["threads"]},
         ),
+        "--device": (
+            "where every arm trains: cpu, or a CUDA device (cuda, cuda:K) for a one-process "
+            "run; the data stay in host memory and each batch is copied to the device inside "
+            "the timed step",
+            {"type": _device, "default": d["device"]},
+        ),
         "--nproc": (
             "processes (torchrun + gloo, DDP for every arm, KAISA distributed); the batch is "
             "split among them",
@@ -697,6 +717,7 @@ def build_config(args: argparse.Namespace) -> SuiteConfig:
             f"argument --inv-update-steps: {args.inv_update_steps} is shorter than "
             f"--factor-update-steps {args.factor_update_steps}"
         )
+    _check_device(args.device, args.nproc)
     if "soap" in arms:
         try:
             require_heavyball()
@@ -765,9 +786,35 @@ def build_config(args: argparse.Namespace) -> SuiteConfig:
                 max_steps=max_steps,
                 warmup_steps=warmup_steps,
                 context=w.context,
+                device=args.device,
             )
         )
     return SuiteConfig(out_dir=out, workloads=tuple(configs), nproc=args.nproc, quick=args.quick)
+
+
+def _check_device(device: str, nproc: int) -> None:
+    """Refuse a device this machine does not have, and CUDA with several processes."""
+    if device == "cpu":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise DemoError(
+            f"argument --device: {device} is not available here (torch {torch.__version__} "
+            "sees no CUDA device); allowed: cpu"
+        )
+    index = torch.device(device).index or 0
+    if index >= torch.cuda.device_count():
+        raise DemoError(
+            f"argument --device: {device} does not exist (this machine has "
+            f"{torch.cuda.device_count()} CUDA device(s): cuda:0.."
+            f"cuda:{torch.cuda.device_count() - 1})"
+        )
+    if nproc > 1:
+        raise DemoError(
+            f"argument --device: {device} runs in one process; --nproc {nproc} "
+            "(torchrun + gloo) trains on the CPU"
+        )
 
 
 def _prepare_out_dir(path: str) -> Path:
@@ -800,6 +847,7 @@ def _describe(suite: SuiteConfig, data: dict[DatasetKey, Dataset]) -> str:
         f"kaisa demo: {len(suite.workloads)} workload(s) x {len(first.arms)} arm(s), "
         f"seeds {','.join(map(str, first.seeds))}, "
         f"{first.nproc} process(es) x {first.threads} thread(s)"
+        + (f" on {first.device}" if first.device != "cpu" else "")
         + (", runs stop at the target" if first.stop_at_target else "")
     ]
     lines += [_data_text(key, d) for key, d in data.items()]

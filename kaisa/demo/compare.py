@@ -175,6 +175,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "platform": platform.platform(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 
 
@@ -302,6 +303,7 @@ def summarize(
             "seeds": list(config.seeds),
             "threads_per_process": config.threads,
             "nproc": config.nproc,
+            "device": config.device,
             "data_dir": config.data_dir,
             "quick": config.quick,
             "channels_last": config.channels_last,
@@ -369,6 +371,7 @@ def summarize_suite(
         "workloads": {r["workload"]: _workload_entry(r) for r in results},
         "seeds": results[0]["shared"]["seeds"] if results else [],
         "stop_at_target": results[0]["shared"]["stop_at_target"] if results else None,
+        "device": ", ".join(sorted({str(r["shared"].get("device", "cpu")) for r in results})),
         "machine": {"at_start": machine_before, "at_end": machine_info()},
         "wall_seconds": wall_seconds,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -672,6 +672,10 @@ class DemoConfig:
     #: is still the full budget's, so steps to a target reached before the
     #: limit are those of a full run): for probes. ``None``: no limit.
     step_limit: int | None = None
+    #: Where every arm trains: ``"cpu"`` or a CUDA device (``"cuda"``,
+    #: ``"cuda:1"``). The data stay in host memory; each batch is copied to
+    #: the device inside the timed step, as a data loader's would be.
+    device: str = "cpu"
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

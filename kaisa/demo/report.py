@@ -517,6 +517,10 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     at_start = (summary["machine"].get("at_start") or {}).get("load_average_1_5_15")
     at_end = (summary["machine"].get("at_end") or {}).get("load_average_1_5_15")
     lines.append(f"Load average (1/5/15 min) at start {at_start}, at end {at_end}.")
+    device = summary.get("device") or "cpu"
+    if device != "cpu":
+        gpu = (summary["machine"].get("at_start") or {}).get("gpu")
+        lines.append(f"Trained on {device}" + (f" ({gpu})." if gpu else "."))
     return "\n".join(lines) + "\n"
 
 

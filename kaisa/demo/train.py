@@ -292,10 +292,12 @@ def evaluate(
     dist: DistContext,
     batch_size: int = 256,
     memory_format: torch.memory_format = torch.contiguous_format,
+    device: torch.device | str = "cpu",
 ) -> tuple[float, float]:
     """Test accuracy and mean cross-entropy over ``(x, y)``, split across ranks.
 
-    Each batch is laid out in ``memory_format`` (the model's) before the forward pass.
+    Each batch is copied to ``device`` (the model's) and laid out in
+    ``memory_format`` (the model's) before the forward pass.
     """
     was_training = model.training
     model.eval()
@@ -303,8 +305,9 @@ def evaluate(
     correct = 0.0
     loss_sum = 0.0
     for i in range(0, xs.shape[0], batch_size):
-        out = model(xs[i : i + batch_size].contiguous(memory_format=memory_format))
-        target = ys[i : i + batch_size]
+        inputs = xs[i : i + batch_size].to(device)
+        out = model(inputs.contiguous(memory_format=memory_format))
+        target = ys[i : i + batch_size].to(device)
         loss_sum += float(F.cross_entropy(out, target, reduction="sum"))
         correct += float((out.argmax(dim=1) == target).sum())
     model.train(was_training)
@@ -314,7 +317,11 @@ def evaluate(
 
 @torch.no_grad()
 def evaluate_text(
-    model: nn.Module, windows: Tensor, dist: DistContext, batch_size: int = 64
+    model: nn.Module,
+    windows: Tensor,
+    dist: DistContext,
+    batch_size: int = 64,
+    device: torch.device | str = "cpu",
 ) -> tuple[float, float]:
     """Next-byte accuracy and mean cross-entropy (nats per byte) over ``windows``.
 
@@ -322,6 +329,7 @@ def evaluate_text(
     reads each window's first ``T`` bytes and is scored on predicting the
     last ``T``, every position counting once. Runs in eval mode without
     gradients; the windows are split across ranks and the sums all-reduced.
+    Each chunk of windows is copied to ``device`` (the model's).
     """
     was_training = model.training
     model.eval()
@@ -329,7 +337,7 @@ def evaluate_text(
     correct = 0.0
     loss_sum = 0.0
     for i in range(0, mine.shape[0], batch_size):
-        chunk = mine[i : i + batch_size]
+        chunk = mine[i : i + batch_size].to(device)
         x, y = chunk[:, :-1], chunk[:, 1:]
         logits = model(x)
         flat = logits.reshape(-1, logits.shape[-1])
@@ -409,6 +417,12 @@ def _make_preconditioner(model: nn.Module, arm: ArmConfig, optimizer: TrainingOp
         return float(optimizer.param_groups[0]["lr"])
 
     return KFACPreconditioner(model, lr=current_lr, **arm.kfac.overrides())
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA), so that a host clock read around it is true."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _jsonable(value: Any) -> Any:
@@ -555,7 +569,8 @@ def _arm_run(
     metric = config.metric_spec
 
     torch.manual_seed(seed)
-    model: nn.Module = _model_for(config, data)
+    device = torch.device(config.device)
+    model: nn.Module = _model_for(config, data).to(device)
     layout = torch.channels_last if config.channels_last and not text else torch.contiguous_format
     if not text:
         # Module.to(memory_format=...) is documented but missing from torch's stubs.
@@ -590,9 +605,11 @@ def _arm_run(
     def record() -> None:
         nonlocal loss_sum, loss_count, last
         if isinstance(data, TextCorpus):
-            acc, test_loss = evaluate_text(model, val_windows, dist)
+            acc, test_loss = evaluate_text(model, val_windows, dist, device=device)
         else:
-            acc, test_loss = evaluate(model, data.test_x, data.test_y, dist, memory_format=layout)
+            acc, test_loss = evaluate(
+                model, data.test_x, data.test_y, dist, memory_format=layout, device=device
+            )
         train_loss = dist.all_reduce_sum([loss_sum])[0] / max(1, loss_count * dist.world)
         point = EvalPoint(
             arm.name, seed, step, step / steps_per_epoch, clock, acc, test_loss, train_loss
@@ -624,6 +641,7 @@ def _arm_run(
             else:
                 idx = perm[i * batch : (i + 1) * batch][dist.rank :: dist.world]
                 x, y = data.train_x[idx].contiguous(memory_format=layout), data.train_y[idx]
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             lr = schedule(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
@@ -633,8 +651,10 @@ def _arm_run(
             torch.autograd.backward(loss)
             if pre is not None:
                 before = _phase_total(pre)
+                _synchronize(device)  # K-FAC's clock takes in its own device work only
                 k0 = time.perf_counter()
                 pre.step()
+                _synchronize(device)
                 kfac_clock += time.perf_counter() - k0
                 hooks_clock += before - after_last_step
                 after_last_step = _phase_total(pre)

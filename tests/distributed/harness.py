@@ -1,4 +1,4 @@
-"""Run a function in ``N`` gloo processes on localhost, for the multi-process tests.
+"""Run a function in ``N`` gloo (or NCCL) processes on localhost, for the multi-process tests.
 
 :func:`run_distributed` starts ``world_size`` processes, each of which joins a
 gloo process group (rendezvous through a ``TCPStore`` the parent hosts on a
@@ -61,6 +61,7 @@ def _child(
     workdir: str,
     timeout: float,
     args: tuple[Any, ...],
+    backend: str = "gloo",
 ) -> None:
     out = Path(workdir)
     try:
@@ -74,7 +75,7 @@ def _child(
             timeout=datetime.timedelta(seconds=timeout),
         )
         dist.init_process_group(
-            "gloo",
+            backend,
             store=store,
             rank=rank,
             world_size=world_size,
@@ -97,8 +98,11 @@ def run_distributed(
     world_size: int,
     *args: Any,
     timeout: float = DEFAULT_TIMEOUT,
+    backend: str = "gloo",
 ) -> list[Any]:
     """``[fn(rank, world_size, *args) for rank in range(world_size)]``, one process per rank.
+
+    ``backend`` is the process group's (``"nccl"`` for CUDA tensors, one GPU per rank).
 
     Raises :class:`DistributedTestError` with the failing rank's traceback if
     a rank raises or dies, or if the run takes longer than ``timeout`` seconds.
@@ -117,7 +121,7 @@ def run_distributed(
             for rank in range(world_size):
                 proc = ctx.Process(  # type: ignore[attr-defined]
                     target=_child,
-                    args=(fn, rank, world_size, store.port, workdir, timeout, args),
+                    args=(fn, rank, world_size, store.port, workdir, timeout, args, backend),
                     name=f"kaisa-rank{rank}",
                     daemon=True,
                 )
