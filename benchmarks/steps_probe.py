@@ -5,7 +5,9 @@ order, schedule, evaluation cadence, stop at the target), for any arm of the
 suite; for the kaisa arms with keyword arguments added to
 ``kaisa.KFACPreconditioner`` (``--kfac``, JSON) and, optionally, an
 early-refresh schedule (``--early-refresh F,I``: factor and inverse
-intervals 10, 20, 40, … until they reach ``F`` and ``I``). It answers "would
+intervals 10, 20, 40, … until they reach ``F`` and ``I``), or a first phase
+(``--phase F,I@S``: intervals ``F`` and ``I`` before step ``S``, those of
+``--kfac`` from it on). It answers "would
 this option (or this learning rate) save steps?" before a full suite run;
 steps to the target do not depend on the machine's load (except through the
 budget's clock calibration, whose steps are powers of √2), so two probes may
@@ -70,6 +72,18 @@ def early_refresh(chosen: int) -> Callable[[int], int]:
         while 2 * interval <= step:
             interval *= 2
         return min(interval, chosen)
+
+    return at
+
+
+def phase(first: int, until: int, then: object) -> Callable[[int], int]:
+    """An interval schedule: ``first`` before step ``until``, ``then`` from it on."""
+    if not isinstance(then, int):
+        raise TypeError("the interval after the phase must be an integer in --kfac")
+    after = then
+
+    def at(step: int) -> int:
+        return first if step < until else after
 
     return at
 
@@ -178,6 +192,12 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
     )
     p.add_argument("--early-refresh", default=None, metavar="F,I")
     p.add_argument(
+        "--phase",
+        default=None,
+        metavar="F,I@S",
+        help="factor and inverse intervals F and I before step S, those of --kfac after",
+    )
+    p.add_argument(
         "--max-steps", type=int, default=None, help="end each run after N steps (same schedule)"
     )
     p.add_argument("--threads", type=int, default=1)
@@ -204,8 +224,10 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
     extra: dict[str, Any] = kfac_json(args.kfac)
     if not isinstance(extra, dict):
         p.error("--kfac must be a JSON object")
-    if args.arm not in KAISA_ARMS and (extra or args.early_refresh):
-        p.error(f"--kfac and --early-refresh apply to the kaisa arms only, not {args.arm}")
+    if args.arm not in KAISA_ARMS and (extra or args.early_refresh or args.phase):
+        p.error(f"--kfac, --early-refresh and --phase apply to the kaisa arms only, not {args.arm}")
+    if args.early_refresh and args.phase:
+        p.error("give --early-refresh or --phase, not both")
     if args.max_steps is not None and args.max_steps < 1:
         p.error("--max-steps must be a positive integer")
     if isinstance(extra.get("curvature"), list):
@@ -214,6 +236,16 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
     if args.early_refresh:
         f, i = (int(v) for v in args.early_refresh.split(","))
         schedule = {"factor_update_steps": early_refresh(f), "inv_update_steps": early_refresh(i)}
+    if args.phase:
+        try:
+            pair, _, until = args.phase.partition("@")
+            f, i = (int(v) for v in pair.split(","))
+            schedule = {
+                "factor_update_steps": phase(f, int(until), extra.get("factor_update_steps")),
+                "inv_update_steps": phase(i, int(until), extra.get("inv_update_steps")),
+            }
+        except (ValueError, TypeError) as exc:
+            p.error(f"--phase: expected F,I@S with --kfac giving both intervals after ({exc})")
     torch.set_num_threads(args.threads)
 
     made: list[kaisa.KFACPreconditioner] = []  # this seed's, for its telemetry
@@ -261,6 +293,7 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
                 "seed": seed,
                 "kfac": args.kfac,
                 "early_refresh": args.early_refresh,
+                "phase": args.phase,
                 "metric": config.metric,
                 "target": config.target,
                 "steps": None if hit is None else hit.step,

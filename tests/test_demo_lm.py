@@ -481,6 +481,27 @@ def test_steps_probe_runs_any_arm_on_the_language_model(
     with pytest.raises(SystemExit):
         probe.main(["--workload", "gpt", "--arm", "adamw", "--kfac", '{"damping": 0.1}',
                     "--text-dir", str(corpus_dir), "--out", str(out)])  # fmt: skip
+    # --phase F,I@S: intervals 1 before step 2, then --kfac's 3: inverse updates
+    # at steps 0, 1 and 3 of 6, against 0 and 3 without the phase.
+    every3 = (
+        '{"curvature": "exact", "factor_update_steps": 3, "inv_update_steps": 3, '
+        '"eigenbasis_tolerance": 0.5}'
+    )
+    for phase in ([], ["--phase", "1,1@2"]):
+        code = probe.main(["--workload", "gpt", "--arm", "kaisa-adamw", "--seeds", "0",
+                           "--max-steps", "6", "--kfac", every3, "--text-dir", str(corpus_dir),
+                           "--out", str(out), *phase])  # fmt: skip
+        assert code == 0
+    plain, phased = (json.loads(line) for line in out.read_text().splitlines()[-2:])
+    assert plain["phase"] is None and phased["phase"] == "1,1@2"
+    assert 2 * phased["side_refreshes"] == 3 * plain["side_refreshes"] > 0
+    for bad in (["--phase", "2@10"], ["--phase", "2,2@ten"]):
+        with pytest.raises(SystemExit):
+            probe.main(["--workload", "gpt", "--arm", "kaisa-adamw", "--kfac", every3,
+                        "--text-dir", str(corpus_dir), "--out", str(out), *bad])  # fmt: skip
+    with pytest.raises(SystemExit):  # the intervals after the phase must be given
+        probe.main(["--workload", "gpt", "--arm", "kaisa-adamw", "--phase", "2,2@10",
+                    "--text-dir", str(corpus_dir), "--out", str(out)])  # fmt: skip
 
 
 @pytest.mark.timeout(180)

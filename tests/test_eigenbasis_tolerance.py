@@ -108,3 +108,29 @@ def test_the_tolerance_is_recorded_as_a_float() -> None:
     assert pre.options.eigenbasis_tolerance == 0.0
     assert isinstance(pre.options.eigenbasis_tolerance, float)
     assert kaisa.KFACPreconditioner(_net(), **OPTIONS).options.eigenbasis_tolerance is None
+
+
+def test_fresh_bases_early_then_longer_intervals() -> None:
+    """docs/language-models.md's recipe: a schedule of 2 before a step, 5 after.
+
+    With the tolerance and the correction, the inverse updates fall on the
+    schedule's steps (0, 2, 4; then 10, 15, ..., 35 of 40 steps), each
+    refreshing the two layers' four sides, and the run trains.
+    """
+
+    def intervals(step: int) -> int:
+        return 2 if step < 6 else 5
+
+    model = _net()
+    pre = kaisa.KFACPreconditioner(
+        model,
+        lr=0.1,
+        curvature="exact",
+        factor_update_steps=intervals,
+        inv_update_steps=intervals,
+        eigenbasis_tolerance=0.05,
+        eigenvalue_correction="ekfac",
+    )
+    losses = _train(model, pre, range(40))
+    assert pre.telemetry.side_refreshes == 4 * (3 + 6)
+    assert losses[-1] < 0.85 * losses[0]
