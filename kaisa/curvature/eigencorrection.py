@@ -65,7 +65,9 @@ Basis = torch.Tensor | None
 
 def rotate_in(grad: torch.Tensor, qa: Basis, qg: Basis, dtype: torch.dtype) -> torch.Tensor:
     """``V = Q_Gᵀ ∇ Q_A`` in ``dtype`` (a new tensor); a ``None`` basis is the identity."""
-    v = grad.to(dtype, copy=True)
+    if qg is None and qa is None:
+        return grad.to(dtype, copy=True)
+    v = grad.to(dtype)  # (a product below makes the new tensor)
     if qg is not None:
         v = qg.t() @ v
     if qa is not None:
@@ -105,7 +107,9 @@ def divisor(
         mu = torch.as_tensor(kron_mean, dtype=scales.dtype, device=scales.device)
         # (An all-zero S, a layer whose gradient was 0: Ŝ = 0 and P = 0, not 0/0.)
         ratio = mu / scales.mean().clamp_min(tiny)
-        return (scales * ratio).add_(damping).clamp_min_(tiny)
+        gamma = torch.tensor(damping, dtype=scales.dtype, device=scales.device)
+        out = torch.addcmul(gamma, scales, ratio)  # γ + S·ratio in one pass
+        return out if damping > tiny else out.clamp_min_(tiny)
     if correction == "adam":
         shift = damping * scales.mean() if relative else damping
         return (scales + shift).clamp_min_(tiny).sqrt_()
@@ -173,8 +177,11 @@ class EigenScales:
         xi = min(decay, k / (k + 1))
         folded = (self.scales * xi).addcmul_(v, v, value=1.0 - xi)
         # An overflowed gradient must not poison S for the rest of the run (no
-        # host sync: S stays as it was when anything is not finite).
-        self.scales.copy_(torch.where(torch.isfinite(folded).all(), folded, self.scales))
+        # host sync: S stays as it was when anything is not finite). One
+        # reduction tells: a NaN or inf entry makes the sum NaN or inf (so does
+        # a sum of finite entries past the dtype's range, which keeps S too).
+        finite = torch.isfinite(folded.sum())
+        torch.where(finite, folded, self.scales, out=self.scales)
         self.updates += 1
         return corrected_solve(
             grad, qa, qg, self.scales, damping, correction, relative, kron_mean, rotated=v

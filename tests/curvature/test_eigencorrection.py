@@ -122,13 +122,22 @@ def test_the_running_average_of_squared_rotated_gradients(correction: str) -> No
     assert scales.updates == 5
 
 
-def test_a_non_finite_gradient_leaves_the_scales_as_they_were() -> None:
+@pytest.mark.parametrize("entry", [float("inf"), float("-inf"), float("nan"), 1e200])
+@pytest.mark.parametrize("everywhere", [True, False])
+def test_a_non_finite_gradient_leaves_the_scales_as_they_were(
+    entry: float, everywhere: bool
+) -> None:
+    """Every entry bad, or one (1e200 squares past float64's range)."""
     gen = torch.Generator().manual_seed(3)
     eye3, eye2 = torch.eye(3, dtype=D), torch.eye(2, dtype=D)
     scales = EigenScales.zeros(2, 3, torch.device("cpu"), D)
     scales.solve(torch.randn(2, 3, generator=gen, dtype=D), eye3, eye2, 0.1, 0.9, "ekfac", True)
     before = scales.scales.clone()
-    bad = torch.full((2, 3), float("inf"), dtype=D)
+    bad = torch.randn(2, 3, generator=gen, dtype=D)
+    if everywhere:
+        bad.fill_(entry)
+    else:
+        bad[1, 2] = entry
     scales.solve(bad, eye3, eye2, 0.1, 0.9, "ekfac", True)
     assert torch.equal(scales.scales, before)
 
