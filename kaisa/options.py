@@ -288,7 +288,11 @@ class KFACOptions:
             first factor-update step kaisa chooses every 'auto' side's
             representation and the intervals left as ``None`` to fit it
             (:mod:`kaisa.curvature.budget`; ``curvature_choice`` holds the
-            outcome). The choice depends on the rows each rank sees.
+            outcome). The choice depends on the rows each rank sees. Given
+            intervals that are schedules, it costs the intervals in force
+            at that step: a schedule that refreshes often at first and
+            rarely later gets the cheap sides of its first intervals (give
+            the sides, e.g. ``curvature='exact'``, with such a schedule).
         calibrate_budget: measure the iteration on the clock and choose again
             (default ``False``: the choice is deterministic). The automatic
             choice always scales its allowance by the iteration's operator

@@ -882,3 +882,33 @@ def test_a_low_rank_checkpoint_resumes_bit_identically() -> None:
     for step, (got, expected) in enumerate(zip(resumed, original, strict=True), SAVE_AT):
         for g, e in zip(got, expected, strict=True):
             assert torch.equal(g, e), f"step {step}"
+
+
+def test_a_schedule_of_intervals_is_costed_at_the_step_of_the_choice() -> None:
+    """options.py's time_budget note: refreshing every step at first (a schedule)
+    buys cheaper sides than every 5 steps throughout, at the same budget."""
+    from kaisa.models import GPT
+
+    def specs(intervals: object) -> dict[str, tuple[str, str]]:
+        torch.manual_seed(0)
+        model = GPT(d_model=64, n_layer=2, n_head=4, context=32)
+        pre = kaisa.KFACPreconditioner(
+            model, lr=0.01, time_budget=2.0,
+            factor_update_steps=intervals, inv_update_steps=intervals,
+        )  # fmt: skip
+        idx = torch.randint(0, 256, (8, 33))
+        logits = model(idx[:, :-1])
+        F.cross_entropy(logits.reshape(-1, 256), idx[:, 1:].reshape(-1)).backward()
+        pre.step()
+        choice = pre.curvature_choice
+        assert choice is not None
+        return choice.specs
+
+    constant = specs(5)
+    early = specs(lambda step: 1 if step < 100 else 5)
+    assert constant.keys() == early.keys()
+    exact = [
+        sum(side == "exact" for pair in choice.values() for side in pair)
+        for choice in (constant, early)
+    ]
+    assert exact[1] < exact[0], (constant, early)
