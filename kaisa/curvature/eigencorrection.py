@@ -107,8 +107,8 @@ def divisor(
         mu = torch.as_tensor(kron_mean, dtype=scales.dtype, device=scales.device)
         # (An all-zero S, a layer whose gradient was 0: Ŝ = 0 and P = 0, not 0/0.)
         ratio = mu / scales.mean().clamp_min(tiny)
-        gamma = torch.tensor(damping, dtype=scales.dtype, device=scales.device)
-        out = torch.addcmul(gamma, scales, ratio)  # γ + S·ratio in one pass
+        # (No tensor made from γ: on a GPU that would be a host copy per layer and step.)
+        out = torch.mul(scales, ratio).add_(damping)
         return out if damping > tiny else out.clamp_min_(tiny)
     if correction == "adam":
         shift = damping * scales.mean() if relative else damping
