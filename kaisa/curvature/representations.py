@@ -78,6 +78,7 @@ __all__ = [
 
 from kaisa.curvature.linalg import (
     DecompositionError,
+    all_finite,
     compute_dtype,
     damped_inverse,
     fold_running_average,
@@ -208,7 +209,7 @@ class Side(ABC):
         Raises :class:`DecompositionError` (state unchanged) when the factor is
         not finite or the decomposition fails.
         """
-        if not bool(torch.isfinite(self.factor).all()):
+        if not all_finite(self.factor):
             raise DecompositionError("factor holds NaN or Inf")
         new = self._compute_state(damping)
         for old, value in zip(self.allocate(), new, strict=True):
@@ -466,7 +467,7 @@ class LowRankSide(Side):
             values, vectors = torch.linalg.eigh((projected + projected.t()) / 2)
         except RuntimeError as error:
             raise DecompositionError(f"low-rank refresh failed: {error}") from error
-        if not (bool(torch.isfinite(values).all()) and bool(torch.isfinite(vectors).all())):
+        if not all_finite(values, vectors):
             raise DecompositionError("low-rank refresh returned non-finite values")
         order = torch.argsort(values, descending=True)
         values, vectors = values[order], vectors[:, order]

@@ -56,6 +56,7 @@ from kaisa.curvature.costs import SideSpec
 from kaisa.curvature.eigencorrection import EigenScales
 from kaisa.curvature.linalg import (
     DecompositionError,
+    all_finite,
     compute_dtype,
     held_basis,
     mean_scale,
@@ -245,7 +246,7 @@ class SharedCurvature:
     def _compute(self, which: Factor) -> list[torch.Tensor]:
         self.kept[which] = False
         pieces = self._pieces(which)
-        if not all(bool(torch.isfinite(p).all()) for p, _ in pieces):
+        if not all_finite(*(p for p, _ in pieces)):
             raise DecompositionError("a use's factor holds NaN or Inf")
         if self.kind(which) == "diagonal":
             return [p.to(self.inv_dtype) for p, _ in pieces]

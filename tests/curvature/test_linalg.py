@@ -299,3 +299,31 @@ def test_finite_with_values_decides_per_tensor_with_one_reduction() -> None:
         [torch.ones(1, dtype=torch.float64)], [torch.tensor(1 / 3, dtype=torch.float64)]
     )
     assert value == 1 / 3
+
+
+def test_all_finite_is_the_entrywise_check() -> None:
+    """``all_finite`` (the refresh's check, one sum per tensor) says what
+    ``torch.isfinite(t).all()`` says, for every tensor given."""
+    from kaisa.curvature.linalg import all_finite
+
+    generator = torch.Generator().manual_seed(0)
+    cases = [
+        torch.randn(6, 6, generator=generator),
+        torch.full((4, 4), 3e38),  # finite, and the float32 sum overflows
+        torch.full((3,), 6e4, dtype=torch.float16),  # finite, the half-precision sum would not be
+        torch.zeros(0, 5),
+        torch.randn(7, dtype=torch.float64, generator=generator),
+    ]
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            t = torch.ones(5, 5, dtype=dtype)
+            t[3, 1] = bad
+            cases.append(t)
+    both = torch.tensor([float("inf"), -float("inf")])  # sums to NaN
+    cases.append(both)
+    for t in cases:
+        expected = bool(torch.isfinite(t).all())
+        assert all_finite(t) is expected, t
+        assert all_finite(torch.ones(2), t) is expected
+        assert all_finite(t, torch.ones(3, dtype=torch.float64)) is expected
+    assert all_finite() is True
