@@ -1,0 +1,343 @@
+"""What a refresh costs, before and after session 26's two changes, side by side.
+
+Session 26 changed two things in the refresh of K-FAC's second-order state:
+
+* **finiteness checks by one sum.** Every refresh checked its factor (and an
+  eigendecomposition its eigenvectors) with ``torch.isfinite(t).all()``,
+  which on the CPU takes about 30 ms for a ``3137 × 3137`` float32 factor at
+  2 threads. :func:`kaisa.curvature.linalg.all_finite` sums instead (a finite
+  sum has only finite terms) and checks entry by entry only when the sum is
+  not finite: the same answer.
+* **a low-rank refresh in one product.** A ``'lowrank:K'`` side ran two
+  subspace iterations and then formed ``Bᵀ F B``: three products of the
+  ``n × n`` factor with ``K + 8`` columns. A warm refresh now forms ``F B``
+  once and starts the next one from ``qr((F B) V)``
+  (:class:`kaisa.curvature.representations.LowRankSide`).
+
+``--part sides`` times, per side width, the check both ways and one warm
+low-rank refresh (``LowRankSide.refresh``, checks included) both ways: the
+library's, and session 25's algorithm written out here
+(:class:`PreviousLowRankSide`). ``--part steps`` trains a workload's model
+twice from the same weights on the same batches, in lockstep (blocks of
+``--steps`` steps, the order alternating every round): arm ``library``, and
+arm ``previous`` with the entrywise checks and session 25's low-rank refresh
+patched in while it steps. The curvature is given explicitly, so both arms
+hold the same representations (the automatic choice would cost the two
+refreshes differently). Reported: the median over rounds of each arm's ms
+per step, of its refresh (``decomposition``) ms per step, and their ratios,
+with the load before and after. Nothing is asserted. ::
+
+    python benchmarks/refresh_cost.py --threads 2 --part sides
+    python benchmarks/refresh_cost.py --threads 2 --part steps --workload small_cnn
+    python benchmarks/refresh_cost.py --threads 2 --part steps --workload gpt
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import LoadRecord, add_json_option, format_table, machine_info, set_threads, write_json
+
+import kaisa
+import kaisa.curvature.linalg as linalg
+import kaisa.curvature.representations as representations
+import kaisa.curvature.shared as shared
+from kaisa.curvature.costs import OVERSAMPLING, SUBSPACE_ITERATIONS, SideSpec
+from kaisa.curvature.linalg import DecompositionError, all_finite, compute_dtype
+from kaisa.curvature.representations import LowRankSide, make_side
+
+#: Each workload's configuration for ``--part steps``: session 24's one
+#: configuration with the representations its automatic choice held then.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "small_cnn": {
+        "curvature": {r"classifier\.1$": ["lowrank:128", "exact"], ".*": "exact"},
+        "factor_update_steps": 5,
+        "inv_update_steps": 5,
+        "eigenvalue_correction": "ekfac",
+        "eigenbasis_tolerance": 0.05,
+    },
+    "gpt": {
+        "curvature": {r"mlp\.proj$": ["lowrank:128", "exact"], ".*": "exact"},
+        "factor_update_steps": 5,
+        "inv_update_steps": 5,
+        "eigenvalue_correction": "ekfac",
+        "eigenbasis_tolerance": 0.05,
+    },
+}
+
+
+def entrywise_finite(*tensors: torch.Tensor) -> bool:
+    """Session 25's check: ``torch.isfinite(t).all()`` of every tensor."""
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def previous_state(side: LowRankSide, damping: float) -> list[torch.Tensor]:
+    """Session 25's low-rank refresh: two subspace iterations, then ``Bᵀ F B``."""
+    n, k = side.size, side.rank
+    dtype = compute_dtype(side.factor.dtype)
+    factor = side.factor.to(dtype)
+    width = min(n, k + OVERSAMPLING)
+    basis = side.warm_basis
+    if basis is None or basis.shape != (n, width) or basis.dtype != dtype:
+        generator = torch.Generator(device="cpu").manual_seed(representations._seed_for(n, width))
+        basis = torch.linalg.qr(torch.randn(n, width, generator=generator, dtype=dtype)).Q
+    for _ in range(SUBSPACE_ITERATIONS):
+        basis = torch.linalg.qr(factor @ basis).Q
+    projected = basis.t() @ factor @ basis
+    values, vectors = torch.linalg.eigh((projected + projected.t()) / 2)
+    if not entrywise_finite(values, vectors):
+        raise DecompositionError("low-rank refresh returned non-finite values")
+    order = torch.argsort(values, descending=True)
+    values, vectors = values[order], vectors[:, order]
+    side.warm_basis = basis @ vectors
+    top = values[:k].clamp(min=0.0)
+    trace = factor.diagonal().sum()
+    sigma = ((trace - top.sum()) / (n - k)).clamp(min=0.0) if n > k else trace.new_zeros(())
+    u = side.warm_basis[:, :k]
+    return [u.to(side.inv_dtype), top.to(side.inv_dtype), sigma.reshape(1).to(side.inv_dtype)]
+
+
+class PreviousLowRankSide(LowRankSide):
+    """A low-rank side refreshed as in session 25 (its checks entry by entry)."""
+
+    def _compute_state(self, damping: float) -> list[torch.Tensor]:
+        return previous_state(self, damping)
+
+
+@contextlib.contextmanager
+def previous_refresh() -> Iterator[None]:
+    """Session 25's checks and low-rank refresh in force inside the block."""
+    modules = (linalg, representations, shared)
+    saved_check = [m.all_finite for m in modules]
+    saved_state = LowRankSide._compute_state
+    for m in modules:
+        m.all_finite = entrywise_finite  # type: ignore[assignment]
+    LowRankSide._compute_state = previous_state  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        for m, check in zip(modules, saved_check, strict=True):
+            m.all_finite = check  # type: ignore[assignment]
+        LowRankSide._compute_state = saved_state  # type: ignore[method-assign]
+
+
+def _median_ms(f: Callable[[], object], repeats: int, warmup: int) -> float:
+    times = []
+    for i in range(warmup + repeats):
+        start = time.perf_counter()
+        f()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def _factor(n: int) -> torch.Tensor:
+    """A Gram matrix of ``4n`` rows with a decaying spectrum (float32, as kaisa's factors)."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(4 * n, n, generator=g) * torch.linspace(3.0, 0.01, n)
+    return x.t() @ x / (4 * n)
+
+
+def part_sides(sides: list[tuple[int, int]], repeats: int, warmup: int) -> list[dict[str, Any]]:
+    rows = []
+    for n, k in sides:
+        factor = _factor(n)
+        row: dict[str, Any] = {"n": n, "rank": k}
+        row["check_sum_ms"] = _median_ms(lambda f=factor: all_finite(f), repeats, warmup)
+        row["check_entrywise_ms"] = _median_ms(
+            lambda f=factor: entrywise_finite(f), repeats, warmup
+        )
+        for key, cls in (("refresh_library_ms", LowRankSide), ("refresh_previous_ms", None)):
+            side = make_side(
+                SideSpec("lowrank", k),
+                "bench.a",
+                n,
+                method="eigen",
+                device=torch.device("cpu"),
+                factor_dtype=torch.float32,
+                inv_dtype=torch.float32,
+                relative=True,
+            )
+            assert isinstance(side, LowRankSide)
+            if cls is None:
+                side.__class__ = PreviousLowRankSide
+            side.factor.copy_(factor)
+            checks = contextlib.nullcontext() if cls else previous_refresh()
+            with checks:
+                side.refresh(0.1)  # the cold refresh: every timed one is warm
+                row[key] = _median_ms(lambda s=side: s.refresh(0.1), repeats, warmup)
+        row["refresh_ratio"] = row["refresh_library_ms"] / row["refresh_previous_ms"]
+        rows.append(row)
+    return rows
+
+
+class StepArm:
+    """One copy of the workload's model with AdamW and kaisa; ``previous``: session 25's refresh."""
+
+    def __init__(self, name: str, workload: str, kfac: dict[str, Any], previous: bool) -> None:
+        from kaisa.demo.train import build_demo_model
+
+        torch.manual_seed(0)
+        self.name, self.previous = name, previous
+        if workload == "gpt":
+            self.model = build_demo_model("gpt", context=64)
+        else:
+            self.model = build_demo_model(workload, image_shape=(1, 28, 28))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=4e-3)
+        with self.patched():
+            self.pre = kaisa.KFACPreconditioner(self.model, optimizer=self.optimizer, **kfac)
+        self.ms: list[float] = []
+        self.refresh_ms: list[float] = []
+
+    def patched(self) -> contextlib.AbstractContextManager[None]:
+        return previous_refresh() if self.previous else contextlib.nullcontext()
+
+    def steps(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """Train on ``batches``: ms per step, and the refresh's ms per step."""
+        before = self.pre.telemetry.phase_seconds.get("decomposition", 0.0)
+        with self.patched():
+            start = time.perf_counter()
+            for x, y in batches:
+                logits = self.model(x)
+                loss = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
+                )
+                loss.backward()
+                self.pre.step()
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            total = time.perf_counter() - start
+        refresh = self.pre.telemetry.phase_seconds.get("decomposition", 0.0) - before
+        return 1e3 * total / len(batches), 1e3 * refresh / len(batches)
+
+
+def part_steps(workload: str, rounds: int, steps: int, warmup: int) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(0)
+    if workload == "gpt":
+        from kaisa.demo.text import load_text_corpus
+
+        corpus = load_text_corpus()
+
+        def batch() -> tuple[torch.Tensor, torch.Tensor]:
+            return corpus.sample_batch(16, 64, generator)
+    else:
+        from kaisa.demo.data import load_fashion_mnist
+
+        data = load_fashion_mnist()
+
+        def batch() -> tuple[torch.Tensor, torch.Tensor]:
+            index = torch.randint(0, data.train_x.shape[0], (128,), generator=generator)
+            return data.train_x[index], data.train_y[index]
+
+    kfac = CONFIGS[workload]
+    arms = [StepArm("library", workload, kfac, False), StepArm("previous", workload, kfac, True)]
+    warm = [batch() for _ in range(warmup)]
+    for arm in arms:
+        arm.steps(warm)
+    with LoadRecord() as load:
+        for r in range(rounds):
+            block = [batch() for _ in range(steps)]
+            for arm in arms[r % 2 :] + arms[: r % 2]:
+                ms, refresh = arm.steps(block)
+                arm.ms.append(ms)
+                arm.refresh_ms.append(refresh)
+    library, previous = arms
+    return {
+        "workload": workload,
+        "kfac": kfac,
+        "rounds": rounds,
+        "steps": steps,
+        "arms": {
+            arm.name: {
+                "ms_per_step": statistics.median(arm.ms),
+                "refresh_ms_per_step": statistics.median(arm.refresh_ms),
+                "rounds_ms": arm.ms,
+                "rounds_refresh_ms": arm.refresh_ms,
+            }
+            for arm in arms
+        },
+        "step_ratio": statistics.median(
+            a / b for a, b in zip(library.ms, previous.ms, strict=True)
+        ),
+        "load": load.as_dict(),
+        "load_text": load.describe(),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", choices=("sides", "steps"), default="sides")
+    p.add_argument(
+        "--sides",
+        default="3137:128,3137:256,3137:8,513:128",
+        help="--part sides: n:rank pairs, comma-separated",
+    )
+    p.add_argument("--workload", choices=sorted(CONFIGS), default="small_cnn")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=20)
+    add_json_option(p, Path(__file__).parent / "results" / "refresh_cost.json")
+    args = p.parse_args()
+    set_threads(args.threads)
+    result: dict[str, Any] = {"part": args.part, "threads": args.threads}
+    if args.part == "sides":
+        pairs = [(int(a), int(b)) for a, b in (s.split(":") for s in args.sides.split(","))]
+        with LoadRecord() as load:
+            rows = part_sides(pairs, args.repeats, min(args.warmup, 3))
+        print(
+            format_table(
+                [
+                    "side",
+                    "rank",
+                    "check: sum",
+                    "entrywise",
+                    "refresh: library",
+                    "previous",
+                    "ratio",
+                ],
+                [
+                    [
+                        r["n"],
+                        r["rank"],
+                        f"{r['check_sum_ms']:.2f}",
+                        f"{r['check_entrywise_ms']:.2f}",
+                        f"{r['refresh_library_ms']:.1f}",
+                        f"{r['refresh_previous_ms']:.1f}",
+                        f"{r['refresh_ratio']:.2f}",
+                    ]
+                    for r in rows
+                ],
+                title=f"ms, medians of {args.repeats}, {args.threads} threads",
+            )
+        )
+        result.update(rows=rows, load=load.as_dict())
+        print(load.describe())
+    else:
+        result.update(part_steps(args.workload, args.rounds, args.steps, args.warmup))
+        print(
+            format_table(
+                ["arm", "ms per step", "refresh ms per step"],
+                [
+                    [name, f"{a['ms_per_step']:.1f}", f"{a['refresh_ms_per_step']:.2f}"]
+                    for name, a in result["arms"].items()
+                ],
+                title=f"{args.workload}: medians of {args.rounds} rounds of {args.steps} steps",
+            )
+        )
+        print(f"library / previous step: {result['step_ratio']:.3f}; {result['load_text']}")
+    result["machine"] = machine_info()
+    if args.json:
+        write_json(args.json, result)
+
+
+if __name__ == "__main__":
+    main()
