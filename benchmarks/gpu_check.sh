@@ -12,6 +12,8 @@
 #   images the three image workloads likewise, $IMAGE_SEEDS seeds (default 0)
 #   gpt-defaults  the gpt workload with kaisa's defaults: AdamW, Muon, AdamW + kaisa
 #   eigh   benchmarks/eigh_devices.py: one eigendecomposition on the CPU and the GPU
+#   refresh  benchmarks/refresh_cost.py --part sides on the GPU: the refresh's
+#          finiteness check and a warm low-rank refresh, session 25's way and now
 #   suite  the whole test suite on that machine's CPU (torch as installed there)
 #
 # The machine runs its own python3 and packages (no network): the data and
@@ -64,6 +66,8 @@ for p in ${parts//,/ }; do
     gpt-defaults) part gpt-defaults 300 "${demo[@]}" --workload gpt \
         --arms adamw,muon,kaisa-adamw --seeds "${GPT_SEEDS:-0}" --out "$out/gpt-defaults" ;;
     eigh) part eigh 120 python3 benchmarks/eigh_devices.py --json "$out/eigh.json" ;;
+    refresh) part refresh 120 python3 benchmarks/refresh_cost.py --part sides \
+        --device "${DEVICE:-cuda}" --json "$out/refresh.json" ;;
     suite) part suite 500 python3 -m pytest -q -p no:cacheprovider -x tests ;;
     *) echo "unknown part $p" >&2 ;;
     esac

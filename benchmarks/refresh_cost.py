@@ -17,7 +17,8 @@ Session 26 changed two things in the refresh of K-FAC's second-order state:
 ``--part sides`` times, per side width, the check both ways and one warm
 low-rank refresh (``LowRankSide.refresh``, checks included) both ways: the
 library's, and session 25's algorithm written out here
-(:class:`PreviousLowRankSide`). ``--part steps`` trains a workload's model
+(:class:`PreviousLowRankSide`), on the CPU or, with ``--device cuda``, on a
+GPU (synchronised around each call). ``--part steps`` trains a workload's model
 twice from the same weights on the same batches, in lockstep (blocks of
 ``--steps`` steps, the order alternating every round): arm ``library``, and
 arm ``previous`` with the entrywise checks and session 25's low-rank refresh
@@ -27,7 +28,7 @@ refreshes differently). Reported: the median over rounds of each arm's ms
 per step, of its refresh (``decomposition``) ms per step, and their ratios,
 with the load before and after. Nothing is asserted. ::
 
-    python benchmarks/refresh_cost.py --threads 2 --part sides
+    python benchmarks/refresh_cost.py --threads 2 --part sides [--device cuda]
     python benchmarks/refresh_cost.py --threads 2 --part steps --workload small_cnn
     python benchmarks/refresh_cost.py --threads 2 --part steps --workload gpt
 """
@@ -87,7 +88,8 @@ def previous_state(side: LowRankSide, damping: float) -> list[torch.Tensor]:
     basis = side.warm_basis
     if basis is None or basis.shape != (n, width) or basis.dtype != dtype:
         generator = torch.Generator(device="cpu").manual_seed(representations._seed_for(n, width))
-        basis = torch.linalg.qr(torch.randn(n, width, generator=generator, dtype=dtype)).Q
+        basis = torch.randn(n, width, generator=generator, dtype=dtype).to(factor.device)
+        basis = torch.linalg.qr(basis).Q
     for _ in range(SUBSPACE_ITERATIONS):
         basis = torch.linalg.qr(factor @ basis).Q
     projected = basis.t() @ factor @ basis
@@ -128,11 +130,19 @@ def previous_refresh() -> Iterator[None]:
         LowRankSide._compute_state = saved_state  # type: ignore[method-assign]
 
 
-def _median_ms(f: Callable[[], object], repeats: int, warmup: int) -> float:
+def _median_ms(
+    f: Callable[[], object], repeats: int, warmup: int, device: torch.device | None = None
+) -> float:
+    """Median wall milliseconds of ``f()`` (CUDA synchronised around each call)."""
+    cuda = device is not None and device.type == "cuda"
     times = []
     for i in range(warmup + repeats):
+        if cuda:
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         f()
+        if cuda:
+            torch.cuda.synchronize(device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
@@ -145,14 +155,18 @@ def _factor(n: int) -> torch.Tensor:
     return x.t() @ x / (4 * n)
 
 
-def part_sides(sides: list[tuple[int, int]], repeats: int, warmup: int) -> list[dict[str, Any]]:
+def part_sides(
+    sides: list[tuple[int, int]], repeats: int, warmup: int, device: torch.device | None = None
+) -> list[dict[str, Any]]:
+    """Per ``(n, rank)``: both checks of an ``n``-wide factor and one warm refresh both ways."""
+    device = device or torch.device("cpu")
     rows = []
     for n, k in sides:
-        factor = _factor(n)
-        row: dict[str, Any] = {"n": n, "rank": k}
-        row["check_sum_ms"] = _median_ms(lambda f=factor: all_finite(f), repeats, warmup)
+        factor = _factor(n).to(device)
+        row: dict[str, Any] = {"n": n, "rank": k, "device": str(device)}
+        row["check_sum_ms"] = _median_ms(lambda f=factor: all_finite(f), repeats, warmup, device)
         row["check_entrywise_ms"] = _median_ms(
-            lambda f=factor: entrywise_finite(f), repeats, warmup
+            lambda f=factor: entrywise_finite(f), repeats, warmup, device
         )
         for key, cls in (("refresh_library_ms", LowRankSide), ("refresh_previous_ms", None)):
             side = make_side(
@@ -160,7 +174,7 @@ def part_sides(sides: list[tuple[int, int]], repeats: int, warmup: int) -> list[
                 "bench.a",
                 n,
                 method="eigen",
-                device=torch.device("cpu"),
+                device=device,
                 factor_dtype=torch.float32,
                 inv_dtype=torch.float32,
                 relative=True,
@@ -172,7 +186,7 @@ def part_sides(sides: list[tuple[int, int]], repeats: int, warmup: int) -> list[
             checks = contextlib.nullcontext() if cls else previous_refresh()
             with checks:
                 side.refresh(0.1)  # the cold refresh: every timed one is warm
-                row[key] = _median_ms(lambda s=side: s.refresh(0.1), repeats, warmup)
+                row[key] = _median_ms(lambda s=side: s.refresh(0.1), repeats, warmup, device)
         row["refresh_ratio"] = row["refresh_library_ms"] / row["refresh_previous_ms"]
         rows.append(row)
     return rows
@@ -281,6 +295,7 @@ def main() -> None:
     )
     p.add_argument("--workload", choices=sorted(CONFIGS), default="small_cnn")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="--part sides: cpu, cuda or cuda:K")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=40)
@@ -290,9 +305,12 @@ def main() -> None:
     set_threads(args.threads)
     result: dict[str, Any] = {"part": args.part, "threads": args.threads}
     if args.part == "sides":
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            p.error(f"--device {args.device}: this machine has no CUDA device")
         pairs = [(int(a), int(b)) for a, b in (s.split(":") for s in args.sides.split(","))]
         with LoadRecord() as load:
-            rows = part_sides(pairs, args.repeats, min(args.warmup, 3))
+            rows = part_sides(pairs, args.repeats, min(args.warmup, 3), device)
         print(
             format_table(
                 [
@@ -316,7 +334,7 @@ def main() -> None:
                     ]
                     for r in rows
                 ],
-                title=f"ms, medians of {args.repeats}, {args.threads} threads",
+                title=f"ms, medians of {args.repeats}, on {device} ({args.threads} CPU threads)",
             )
         )
         result.update(rows=rows, load=load.as_dict())

@@ -72,7 +72,7 @@ def test_previous_refresh_is_patched_in_only_inside_its_block(bench: ModuleType)
 
 def test_part_sides_times_both_ways(bench: ModuleType) -> None:
     (row,) = bench.part_sides([(24, 3)], repeats=2, warmup=1)
-    assert row["n"] == 24 and row["rank"] == 3
+    assert row["n"] == 24 and row["rank"] == 3 and row["device"] == "cpu"
     for key in ("check_sum_ms", "check_entrywise_ms", "refresh_library_ms", "refresh_previous_ms"):
         assert row[key] > 0.0
     assert row["refresh_ratio"] == row["refresh_library_ms"] / row["refresh_previous_ms"]
