@@ -42,8 +42,7 @@ Capture = Literal["gram", "moments"]
 SideKind = Literal["exact", "lowrank", "kvec", "diagonal"]
 SIDE_KINDS: tuple[SideKind, ...] = ("exact", "lowrank", "kvec", "diagonal")
 
-#: Subspace iterations of a low-rank side's first refresh (each one ``F @ Q``
-#: and a QR); every later refresh, warm-started, makes one product with ``F``.
+#: Subspace iterations per low-rank refresh (each one ``F @ Q`` and a QR).
 SUBSPACE_ITERATIONS = 2
 #: Extra columns carried by the low-rank subspace iteration (dropped at the end).
 OVERSAMPLING = 8
@@ -228,8 +227,7 @@ def side_cost(
     if spec.kind == "lowrank":
         k = min(int(spec.rank or n), n)
         width = min(n, k + OVERSAMPLING)
-        # A warm refresh: F B; Bᵀ(F B), B V and (F B) V; the QR of the next columns.
-        refresh = n * n * width + 5.0 * n * width * width
+        refresh = (SUBSPACE_ITERATIONS + 1) * (n * n * width + 2.0 * n * width * width)
         refresh += cost_model.eigh * width**3
         return SideCost(refresh, 4.0 * n * k + n, n * n, n * k + k + 1)
     if spec.kind == "kvec":

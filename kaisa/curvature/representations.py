@@ -420,20 +420,12 @@ class ExactSide(Side):
 class LowRankSide(Side):
     """``U diag(λ) Uᵀ + σ(I − UUᵀ)``: the top ``k`` eigenpairs and one scalar for the rest.
 
-    A refresh is a Rayleigh–Ritz step on ``k +`` :data:`OVERSAMPLING`
-    orthonormal columns ``B``: with ``Y = F B`` (the refresh's one product
-    with ``F``), the eigenpairs ``(θ, V)`` of ``Bᵀ Y`` give the Ritz vectors
-    ``B V`` and values ``θ``, whose top ``k`` are kept; ``σ`` is
-    ``(trace(F) − Σθ) / (n − k)`` (0 at ``k = n``, where this is the exact
-    eigen method). The next refresh starts from ``qr(Y V)``: one step of
-    subspace iteration per refresh, so across refreshes the columns follow
-    the top of a factor that moves slowly, at one ``n × n`` by
-    ``n × (k + p)`` product each (the previous refresh ran
-    :data:`SUBSPACE_ITERATIONS` iterations and a separate product for the
-    Ritz step, three). The first refresh has nothing to start from: it runs
-    :data:`SUBSPACE_ITERATIONS` iterations on a Gaussian seeded by the
-    shape (never the global RNG) first. The columns are checkpointed, so a
-    resumed run refreshes bit-identically.
+    The refresh runs :data:`SUBSPACE_ITERATIONS` steps of subspace iteration
+    on ``k +`` :data:`OVERSAMPLING` columns, warm-started from the previous
+    basis (a seeded Gaussian the first time; the basis is checkpointed, so a
+    resumed run refreshes bit-identically), then a Rayleigh–Ritz step; ``σ``
+    is ``(trace(F) − Σλ) / (n − k)`` (0 at ``k = n``, where this is the exact
+    eigen method).
     """
 
     kind = "lowrank"
@@ -464,32 +456,29 @@ class LowRankSide(Side):
         factor = self.factor.to(dtype)
         width = min(n, k + OVERSAMPLING)
         basis = self.warm_basis
+        if basis is None or basis.shape != (n, width) or basis.dtype != dtype:
+            generator = torch.Generator(device="cpu").manual_seed(_seed_for(n, width))
+            basis = torch.randn(n, width, generator=generator, dtype=dtype).to(factor.device)
+            basis = torch.linalg.qr(basis).Q
         try:
-            if basis is None or basis.shape != (n, width) or basis.dtype != dtype:
-                generator = torch.Generator(device="cpu").manual_seed(_seed_for(n, width))
-                basis = torch.randn(n, width, generator=generator, dtype=dtype).to(factor.device)
-                basis = torch.linalg.qr(basis).Q
-                for _ in range(SUBSPACE_ITERATIONS):
-                    basis = torch.linalg.qr(factor @ basis).Q
-            product = factor @ basis
-            projected = basis.t() @ product
+            for _ in range(SUBSPACE_ITERATIONS):
+                basis = torch.linalg.qr(factor @ basis).Q
+            projected = basis.t() @ factor @ basis
             values, vectors = torch.linalg.eigh((projected + projected.t()) / 2)
-            order = torch.argsort(values, descending=True)
-            values, vectors = values[order], vectors[:, order]
-            # The next refresh's columns: one subspace-iteration step past these.
-            ahead = torch.linalg.qr(product @ vectors).Q
         except RuntimeError as error:
             raise DecompositionError(f"low-rank refresh failed: {error}") from error
-        if not all_finite(values, vectors, ahead):
+        if not all_finite(values, vectors):
             raise DecompositionError("low-rank refresh returned non-finite values")
-        u = basis @ vectors[:, :k]  # the top Ritz vectors
+        order = torch.argsort(values, descending=True)
+        values, vectors = values[order], vectors[:, order]
+        self.warm_basis = basis @ vectors  # the Ritz vectors: the best warm start
+        u = self.warm_basis[:, :k]
         top = values[:k].clamp(min=0.0)
         rest = n - k
         trace = factor.diagonal().sum()
         sigma = ((trace - top.sum()) / rest).clamp(min=0.0) if rest else trace.new_zeros(())
         if not bool(torch.isfinite(sigma)):
             raise DecompositionError("low-rank refresh: the rest of the spectrum is not finite")
-        self.warm_basis = ahead  # (only once nothing can fail: a failed refresh keeps it)
         return [u.to(self.inv_dtype), top.to(self.inv_dtype), sigma.reshape(1).to(self.inv_dtype)]
 
     def mean_eigenvalue(self) -> torch.Tensor:

@@ -18,6 +18,7 @@ import pytest
 from kaisa.curvature.costs import (
     DEFAULT_COST_MODEL,
     OVERSAMPLING,
+    SUBSPACE_ITERATIONS,
     CostModel,
     SideSpec,
     side_cost,
@@ -83,8 +84,7 @@ MODEL = CostModel(eigh=20.0, cholesky_inverse=6.0, capture=1.0, apply=3.0)
 def test_side_cost_weighs_the_decompositions_by_the_model(n: int) -> None:
     k = max(1, n // 4)
     width = min(n, k + OVERSAMPLING)
-    # A warm refresh: one product with F, four thin ones (Bᵀ·FB, B·V, FB·V, the QR).
-    iterations = n * n * width + 5.0 * n * width * width
+    iterations = (SUBSPACE_ITERATIONS + 1) * (n * n * width + 2.0 * n * width * width)
     for model in (DEFAULT_COST_MODEL, MODEL):
         refreshes = {
             ("exact", "eigen"): model.eigh * n**3,

@@ -14,11 +14,10 @@ import pytest
 import torch
 
 from kaisa.curvature.block import KroneckerBlock
-from kaisa.curvature.costs import CostModel, SideSpec, side_cost
+from kaisa.curvature.costs import SideSpec, side_cost
 from kaisa.curvature.linalg import DecompositionError, damped_inverse, precondition_eigen
 from kaisa.curvature.representations import (
     OVERSAMPLING,
-    SUBSPACE_ITERATIONS,
     DiagonalSide,
     ExactSide,
     KroneckerVectorSide,
@@ -31,8 +30,6 @@ from kaisa.curvature.representations import (
 D = torch.float64
 CPU = torch.device("cpu")
 DAMPINGS = [1e-3, 0.1, 3.0]
-#: Every weight 1: a cost is its plain multiply-adds.
-MODEL_UNIT = CostModel(eigh=1.0, cholesky_inverse=1.0, capture=1.0, apply=1.0)
 
 
 def spd(n: int, rank: int | None = None) -> torch.Tensor:
@@ -218,78 +215,6 @@ def test_lowrank_warm_start_converges_further() -> None:
         assert after[0] < 0.1 * before[0]
         assert after[1] < 0.1 * before[1]
     torch.testing.assert_close(low.state[1], values[:k], rtol=0, atol=1e-6)
-
-
-class _FactorProducts(torch.overrides.TorchFunctionMode):
-    """Counts the products whose operand is an ``n × n`` matrix (the factor)."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.n = n
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        products = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm)
-        if func in products and any(
-            isinstance(a, torch.Tensor) and a.shape == (self.n, self.n) for a in args
-        ):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
-def test_lowrank_warm_refresh_multiplies_by_the_factor_once() -> None:
-    """The first refresh runs SUBSPACE_ITERATIONS iterations and the Ritz step's product;
-    every later one, warm-started, one product with F (the cost the budget counts)."""
-    n, k = 40, 3
-    factor = spd(n)
-    low = side("lowrank", n, rank=k)
-    assert isinstance(low, LowRankSide)
-    low.factor.copy_(factor)
-    for expected in (SUBSPACE_ITERATIONS + 1, 1, 1):
-        with _FactorProducts(n) as counted:
-            low.refresh(0.1)
-        assert counted.count == expected
-    width = k + OVERSAMPLING
-    assert side_cost(SideSpec("lowrank", k), n, "eigen", cost_model=MODEL_UNIT).refresh == (
-        n * n * width + 5.0 * n * width * width + width**3
-    )
-
-
-def test_lowrank_follows_a_moving_factor() -> None:
-    """A factor whose top eigenvectors turn between refreshes (as a running average's
-    do): the captured top lags by at most about one refresh's turn (its Ritz step
-    uses the columns the previous refresh computed), and once the factor stands
-    still the next refreshes converge to it."""
-    n, k = 30, 4
-    values = spectrum_with_gap(n, (10.0, 7.0, 5.0, 3.0), (0.01, 0.5))
-    _, q = with_spectrum(values)
-    generator = torch.Generator().manual_seed(5)
-    turn = torch.randn(n, n, dtype=D, generator=generator)
-    turn = torch.linalg.matrix_exp((turn - turn.T) * 0.003)  # a small rotation
-    low = side("lowrank", n, rank=k)
-    assert isinstance(low, LowRankSide)
-
-    def projector(basis: torch.Tensor) -> torch.Tensor:
-        return basis @ basis.T
-
-    def refresh() -> float:
-        factor = (q * values) @ q.T
-        low.factor.copy_(factor)
-        low.refresh(0.1)
-        torch.testing.assert_close(torch.trace(low.dense()), torch.trace(factor))
-        return float((projector(low.state[0]) - projector(q[:, :k])).norm())
-
-    refresh()
-    for _ in range(6):
-        before = projector(q[:, :k])
-        q = q @ turn
-        moved = float((projector(q[:, :k]) - before).norm())
-        assert 0.01 < moved < 0.1
-        assert refresh() <= 1.5 * moved
-    errors = [refresh() for _ in range(8)]  # the factor stands still
-    assert errors[-1] < 1e-6
-    torch.testing.assert_close(low.state[1], values[:k], rtol=0, atol=1e-8)
-    torch.testing.assert_close(low.state[2][0], values[k:].mean(), rtol=0, atol=1e-8)
 
 
 def test_lowrank_first_basis_depends_on_the_factor_only() -> None:
