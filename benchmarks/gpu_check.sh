@@ -13,7 +13,7 @@
 #   gpt-defaults  the gpt workload with kaisa's defaults: AdamW, Muon, AdamW + kaisa
 #   eigh   benchmarks/eigh_devices.py: one eigendecomposition on the CPU and the GPU
 #   refresh  benchmarks/refresh_cost.py --part sides on the GPU: the refresh's
-#          finiteness check and a warm low-rank refresh, session 25's way and now
+#          finiteness check and a warm low-rank refresh with it, session 25's way and now
 #   suite  the whole test suite on that machine's CPU (torch as installed there)
 #
 # The machine runs its own python3 and packages (no network): the data and

@@ -1,32 +1,30 @@
-"""What a refresh costs, before and after session 26's two changes, side by side.
+"""What a refresh costs, with session 26's finiteness checks and with session 25's, side by side.
 
-Session 26 changed two things in the refresh of K-FAC's second-order state:
-
-* **finiteness checks by one sum.** Every refresh checked its factor (and an
-  eigendecomposition its eigenvectors) with ``torch.isfinite(t).all()``,
-  which on the CPU takes about 30 ms for a ``3137 × 3137`` float32 factor at
-  2 threads. :func:`kaisa.curvature.linalg.all_finite` sums instead (a finite
-  sum has only finite terms) and checks entry by entry only when the sum is
-  not finite: the same answer.
-* **a low-rank refresh in one product.** A ``'lowrank:K'`` side ran two
-  subspace iterations and then formed ``Bᵀ F B``: three products of the
-  ``n × n`` factor with ``K + 8`` columns. A warm refresh now forms ``F B``
-  once and starts the next one from ``qr((F B) V)``
-  (:class:`kaisa.curvature.representations.LowRankSide`).
+Every refresh of K-FAC's second-order state checks its factor (and an
+eigendecomposition its eigenvectors, an inverse its result) for NaN and
+Inf. Until session 26 that was ``torch.isfinite(t).all()``, which on the
+CPU takes about 30 ms for a ``3137 × 3137`` float32 factor at 2 threads.
+:func:`kaisa.curvature.linalg.all_finite` sums instead (a finite sum has
+only finite terms) and checks entry by entry only when the sum is not
+finite: the same answer.
 
 ``--part sides`` times, per side width, the check both ways and one warm
-low-rank refresh (``LowRankSide.refresh``, checks included) both ways: the
-library's, and session 25's algorithm written out here
-(:class:`PreviousLowRankSide`), on the CPU or, with ``--device cuda``, on a
-GPU (synchronised around each call). ``--part steps`` trains a workload's model
-twice from the same weights on the same batches, in lockstep (blocks of
-``--steps`` steps, the order alternating every round): arm ``library``, and
-arm ``previous`` with the entrywise checks and session 25's low-rank refresh
-patched in while it steps. The curvature is given explicitly, so both arms
-hold the same representations (the automatic choice would cost the two
-refreshes differently). Reported: the median over rounds of each arm's ms
-per step, of its refresh (``decomposition``) ms per step, and their ratios,
-with the load before and after. Nothing is asserted. ::
+low-rank refresh (``LowRankSide.refresh``) with either check, on the CPU
+or, with ``--device cuda``, on a GPU (synchronised around each call).
+``--part steps`` trains a workload's model twice from the same weights on
+the same batches, in lockstep (blocks of ``--steps`` steps, the order
+alternating every round): arm ``library``, and arm ``previous`` with the
+entrywise checks patched in while it steps. The curvature is given
+explicitly (session 24's choice for the workload), so both arms hold the
+same sides. Reported: the median over rounds of each arm's ms per step, of
+its refresh (``decomposition``) ms per step, and their ratios, with the
+load before and after. Nothing is asserted.
+
+Session 26 also tried a low-rank refresh with one product with the factor
+instead of three (the Ritz step on the previous refresh's columns). That
+script, at d2f81c3, timed it too (3137 wide in rank 128: 25 ms against
+107); it cost SmallCNN steps on seeds no choice was made on and was
+reverted (benchmarks/README.md, "What a refresh costs"). ::
 
     python benchmarks/refresh_cost.py --threads 2 --part sides [--device cuda]
     python benchmarks/refresh_cost.py --threads 2 --part steps --workload small_cnn
@@ -50,8 +48,8 @@ import kaisa
 import kaisa.curvature.linalg as linalg
 import kaisa.curvature.representations as representations
 import kaisa.curvature.shared as shared
-from kaisa.curvature.costs import OVERSAMPLING, SUBSPACE_ITERATIONS, SideSpec
-from kaisa.curvature.linalg import DecompositionError, all_finite, compute_dtype
+from kaisa.curvature.costs import SideSpec
+from kaisa.curvature.linalg import all_finite
 from kaisa.curvature.representations import LowRankSide, make_side
 
 #: Each workload's configuration for ``--part steps``: session 24's one
@@ -79,55 +77,18 @@ def entrywise_finite(*tensors: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
-def previous_state(side: LowRankSide, damping: float) -> list[torch.Tensor]:
-    """Session 25's low-rank refresh: two subspace iterations, then ``Bᵀ F B``."""
-    n, k = side.size, side.rank
-    dtype = compute_dtype(side.factor.dtype)
-    factor = side.factor.to(dtype)
-    width = min(n, k + OVERSAMPLING)
-    basis = side.warm_basis
-    if basis is None or basis.shape != (n, width) or basis.dtype != dtype:
-        generator = torch.Generator(device="cpu").manual_seed(representations._seed_for(n, width))
-        basis = torch.randn(n, width, generator=generator, dtype=dtype).to(factor.device)
-        basis = torch.linalg.qr(basis).Q
-    for _ in range(SUBSPACE_ITERATIONS):
-        basis = torch.linalg.qr(factor @ basis).Q
-    projected = basis.t() @ factor @ basis
-    values, vectors = torch.linalg.eigh((projected + projected.t()) / 2)
-    if not entrywise_finite(values, vectors):
-        raise DecompositionError("low-rank refresh returned non-finite values")
-    order = torch.argsort(values, descending=True)
-    values, vectors = values[order], vectors[:, order]
-    side.warm_basis = basis @ vectors
-    top = values[:k].clamp(min=0.0)
-    trace = factor.diagonal().sum()
-    sigma = ((trace - top.sum()) / (n - k)).clamp(min=0.0) if n > k else trace.new_zeros(())
-    u = side.warm_basis[:, :k]
-    return [u.to(side.inv_dtype), top.to(side.inv_dtype), sigma.reshape(1).to(side.inv_dtype)]
-
-
-class PreviousLowRankSide(LowRankSide):
-    """A low-rank side refreshed as in session 25 (its checks entry by entry)."""
-
-    def _compute_state(self, damping: float) -> list[torch.Tensor]:
-        return previous_state(self, damping)
-
-
 @contextlib.contextmanager
 def previous_refresh() -> Iterator[None]:
-    """Session 25's checks and low-rank refresh in force inside the block."""
+    """Session 25's entrywise checks in force inside the block."""
     modules = (linalg, representations, shared)
-    saved_check = [m.all_finite for m in modules]
-    saved_state = LowRankSide._compute_state
+    saved = [m.all_finite for m in modules]
     for m in modules:
         m.all_finite = entrywise_finite  # type: ignore[assignment]
-    LowRankSide._compute_state = previous_state  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
-        for m, check in zip(modules, saved_check, strict=True):
+        for m, check in zip(modules, saved, strict=True):
             m.all_finite = check  # type: ignore[assignment]
-        LowRankSide._compute_state = saved_state  # type: ignore[method-assign]
 
 
 def _median_ms(
@@ -158,7 +119,7 @@ def _factor(n: int) -> torch.Tensor:
 def part_sides(
     sides: list[tuple[int, int]], repeats: int, warmup: int, device: torch.device | None = None
 ) -> list[dict[str, Any]]:
-    """Per ``(n, rank)``: both checks of an ``n``-wide factor and one warm refresh both ways."""
+    """Per ``(n, rank)``: both checks of an ``n``-wide factor, one warm refresh with each."""
     device = device or torch.device("cpu")
     rows = []
     for n, k in sides:
@@ -168,7 +129,7 @@ def part_sides(
         row["check_entrywise_ms"] = _median_ms(
             lambda f=factor: entrywise_finite(f), repeats, warmup, device
         )
-        for key, cls in (("refresh_library_ms", LowRankSide), ("refresh_previous_ms", None)):
+        for key, previous in (("refresh_library_ms", False), ("refresh_previous_ms", True)):
             side = make_side(
                 SideSpec("lowrank", k),
                 "bench.a",
@@ -180,10 +141,8 @@ def part_sides(
                 relative=True,
             )
             assert isinstance(side, LowRankSide)
-            if cls is None:
-                side.__class__ = PreviousLowRankSide
             side.factor.copy_(factor)
-            checks = contextlib.nullcontext() if cls else previous_refresh()
+            checks = previous_refresh() if previous else contextlib.nullcontext()
             with checks:
                 side.refresh(0.1)  # the cold refresh: every timed one is warm
                 row[key] = _median_ms(lambda s=side: s.refresh(0.1), repeats, warmup, device)
@@ -193,7 +152,7 @@ def part_sides(
 
 
 class StepArm:
-    """One copy of the workload's model with AdamW and kaisa; ``previous``: session 25's refresh."""
+    """One copy of the workload's model with AdamW and kaisa; ``previous``: session 25's checks."""
 
     def __init__(self, name: str, workload: str, kfac: dict[str, Any], previous: bool) -> None:
         from kaisa.demo.train import build_demo_model

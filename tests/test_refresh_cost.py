@@ -1,8 +1,7 @@
-"""``benchmarks/refresh_cost.py``: the refresh before and after session 26, side by side.
+"""``benchmarks/refresh_cost.py``: a refresh with session 26's checks and with session 25's.
 
-The script's reference for "before" must be what the library did: session
-25's low-rank refresh (it captures the top of a known spectrum as the library
-does) and the entrywise checks, patched in only inside its block.
+The script's "previous" arm must be session 25's entrywise checks, patched
+in only inside its block, and must refresh exactly as the library does.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from script_loader import load_script
 
 import kaisa.curvature.linalg as linalg
 import kaisa.curvature.representations as representations
+import kaisa.curvature.shared as shared
 from kaisa.curvature.costs import SideSpec
 from kaisa.curvature.representations import LowRankSide, make_side
 
@@ -35,35 +35,37 @@ def _side(n: int, k: int) -> LowRankSide:
     return side
 
 
-def test_previous_refresh_captures_the_top_as_the_library_does(bench: ModuleType) -> None:
+def test_previous_checks_refresh_exactly_as_the_library_does(bench: ModuleType) -> None:
     n, k = 30, 4
-    values = torch.cat(
-        [torch.tensor([10.0, 7.0, 5.0, 3.0], dtype=D), torch.linspace(0.5, 0.01, n - k, dtype=D)]
-    )
-    q = torch.linalg.qr(torch.randn(n, n, dtype=D, generator=torch.Generator().manual_seed(1))).Q
-    factor = (q * values) @ q.T
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(60, n, dtype=D, generator=g)
+    factor = x.T @ x / 60
     library, previous = _side(n, k), _side(n, k)
-    previous.__class__ = bench.PreviousLowRankSide
     for side in (library, previous):
         side.factor.copy_(factor)
-        for _ in range(5):  # (the library's warm refreshes iterate once each)
-            side.refresh(0.1)
-        u, got, sigma = side.state
-        torch.testing.assert_close(got, values[:k], rtol=0, atol=1e-8)
-        torch.testing.assert_close(sigma[0], values[k:].mean(), rtol=0, atol=1e-8)
-        torch.testing.assert_close(u @ u.T, q[:, :k] @ q[:, :k].T, rtol=0, atol=1e-6)
+    for _ in range(3):
+        library.refresh(0.1)
+        with bench.previous_refresh():
+            previous.refresh(0.1)
+    for a, b in zip(library.state, previous.state, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    bad = factor.clone()
+    bad[2, 3] = float("nan")
+    previous.factor.copy_(bad)
+    with bench.previous_refresh(), pytest.raises(linalg.DecompositionError, match="NaN or Inf"):
+        previous.refresh(0.1)
 
 
 def test_previous_refresh_is_patched_in_only_inside_its_block(bench: ModuleType) -> None:
-    saved = (linalg.all_finite, representations.all_finite, LowRankSide._compute_state)
+    saved = (linalg.all_finite, representations.all_finite, shared.all_finite)
     with bench.previous_refresh():
         assert linalg.all_finite is bench.entrywise_finite
         assert representations.all_finite is bench.entrywise_finite
-        assert LowRankSide._compute_state is bench.previous_state
-    assert (linalg.all_finite, representations.all_finite, LowRankSide._compute_state) == saved
+        assert shared.all_finite is bench.entrywise_finite
+    assert (linalg.all_finite, representations.all_finite, shared.all_finite) == saved
     with pytest.raises(RuntimeError, match="inside"), bench.previous_refresh():
         raise RuntimeError("inside")
-    assert (linalg.all_finite, representations.all_finite, LowRankSide._compute_state) == saved
+    assert (linalg.all_finite, representations.all_finite, shared.all_finite) == saved
     bad = torch.ones(3)
     bad[1] = float("nan")
     assert bench.entrywise_finite(torch.ones(2), bad) is False
