@@ -45,25 +45,25 @@ def test_previous_checks_refresh_exactly_as_the_library_does(bench: ModuleType) 
         side.factor.copy_(factor)
     for _ in range(3):
         library.refresh(0.1)
-        with bench.previous_refresh():
+        with bench.entrywise_checks():
             previous.refresh(0.1)
     for a, b in zip(library.state, previous.state, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     bad = factor.clone()
     bad[2, 3] = float("nan")
     previous.factor.copy_(bad)
-    with bench.previous_refresh(), pytest.raises(linalg.DecompositionError, match="NaN or Inf"):
+    with bench.entrywise_checks(), pytest.raises(linalg.DecompositionError, match="NaN or Inf"):
         previous.refresh(0.1)
 
 
-def test_previous_refresh_is_patched_in_only_inside_its_block(bench: ModuleType) -> None:
+def test_entrywise_checks_are_patched_in_only_inside_their_block(bench: ModuleType) -> None:
     saved = (linalg.all_finite, representations.all_finite, shared.all_finite)
-    with bench.previous_refresh():
+    with bench.entrywise_checks():
         assert linalg.all_finite is bench.entrywise_finite
         assert representations.all_finite is bench.entrywise_finite
         assert shared.all_finite is bench.entrywise_finite
     assert (linalg.all_finite, representations.all_finite, shared.all_finite) == saved
-    with pytest.raises(RuntimeError, match="inside"), bench.previous_refresh():
+    with pytest.raises(RuntimeError, match="inside"), bench.entrywise_checks():
         raise RuntimeError("inside")
     assert (linalg.all_finite, representations.all_finite, shared.all_finite) == saved
     bad = torch.ones(3)

@@ -225,8 +225,9 @@ def all_finite(*tensors: torch.Tensor) -> bool:
 
     One reduction per tensor (a sum, in at least float32) and one host sync;
     only a tensor whose sum is not finite is checked entry by entry. On the
-    CPU ``torch.isfinite(t).all()`` of a ``3137 × 3137`` float32 factor takes
-    about 30 ms at 2 threads, its sum 1 ms: the check ran at every refresh.
+    CPU ``torch.isfinite(t).all()`` of a ``3137 × 3137`` float32 factor took
+    25–44 ms at 2 threads, its sum about 1 ms (``benchmarks/refresh_cost.py``):
+    the check runs at every refresh.
     """
     return finite_with_values(tensors)[0]
 
