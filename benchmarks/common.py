@@ -113,6 +113,9 @@ def machine_info() -> dict[str, Any]:
     if torch is not None:
         info["torch"] = torch.__version__
         info["torch_threads"] = torch.get_num_threads()
+        from kaisa.demo.compare import cpu_features
+
+        info.update(cpu_features())
     return info
 
 

@@ -741,20 +741,41 @@ def test_each_arm_builds_and_trains(tiny: Path) -> None:
     assert by_name["kaisa-adamw"].kfac_options["lr"] == "callable"
 
 
-def test_schedule_reaches_every_param_group(tiny: Path) -> None:
-    """Muon's AdamW group follows the schedule at its fixed ratio of the Muon LR."""
+@pytest.mark.parametrize("native", [True, False])
+def test_schedule_reaches_every_param_group(
+    tiny: Path, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Muon's AdamW group follows the schedule at its fixed ratio of the Muon LR.
+
+    The hidden matrices go to torch.optim.Muon (bfloat16 iteration) where the
+    device multiplies bfloat16 natively, to ConvMuon (float32) where it does not.
+    """
     import torch
 
-    from kaisa.demo.optimizers import build_optimizer
+    from kaisa.demo import optimizers
     from kaisa.models import build_model
 
+    monkeypatch.setattr(optimizers, "native_bfloat16", lambda device: native)
     arm = make_arm("muon", 0.02)
-    opt, _ = build_optimizer(build_model("small_cnn", in_channels=1), arm)
+    opt, info = optimizers.build_optimizer(build_model("small_cnn", in_channels=1), arm)
     scales = sorted(g["lr_scale"] for g in opt.param_groups)
     assert scales == [MUON_ADAMW_LR_RATIO, 1.0, 1.0]  # AdamW, Muon (2-D), ConvMuon (4-D)
-    kinds = {type(o).__name__ for o in opt.optimizers}  # type: ignore[attr-defined]
-    assert kinds == {"Muon", "ConvMuon", "AdamW"}
-    assert isinstance(opt.optimizers[0], torch.optim.Muon)  # type: ignore[attr-defined]
+    kinds = [type(o).__name__ for o in opt.optimizers]  # type: ignore[attr-defined]
+    assert kinds == ["Muon" if native else "ConvMuon", "ConvMuon", "AdamW"]
+    assert isinstance(opt.optimizers[0], torch.optim.Muon) == native  # type: ignore[attr-defined]
+    assert ("bfloat16 iteration" in info["matrices"]) == native
+    assert ("float32 iteration (cpu has no native bfloat16" in info["matrices"]) != native
+
+
+def test_native_bfloat16_is_a_property_of_the_device() -> None:
+    """A bool, the same on every call; an unknown device type is left to itself."""
+    import torch
+
+    from kaisa.demo.optimizers import native_bfloat16
+
+    cpu = native_bfloat16(torch.device("cpu"))
+    assert isinstance(cpu, bool) and native_bfloat16(torch.device("cpu")) == cpu
+    assert native_bfloat16(torch.device("meta")) is True
 
 
 @pytest.mark.parametrize(
@@ -915,6 +936,16 @@ def test_summary_rows_over_workloads() -> None:
     assert "precondition 1.50 s" in text
     assert "| resnet20 | SGD + KAISA | 1/1 | 400 | 50.0 | 40.0 s | (none) | 20% |" in (
         summary_markdown(summary)
+    )
+    # The CPU's capability is on record: the same model name can be AVX2 or AVX-512 + BF16.
+    import torch
+
+    from kaisa.demo.compare import machine_info
+
+    on_record = summarize_suite(docs, machine_before=machine_info())
+    native = "native" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "emulated"
+    assert f"{torch.backends.cpu.get_cpu_capability()}, bfloat16 {native}." in summary_markdown(
+        on_record
     )
 
 

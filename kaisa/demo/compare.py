@@ -37,6 +37,7 @@ from kaisa.demo.train import DistContext, RunResult, train_arm, train_arms_in_lo
 
 __all__ = [
     "compare_arms",
+    "cpu_features",
     "machine_info",
     "run_comparison",
     "summarize",
@@ -176,6 +177,23 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "platform": platform.platform(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        **cpu_features(),
+    }
+
+
+def cpu_features() -> dict[str, Any]:
+    """The CPU's vector capability as torch sees it and whether it has native bfloat16.
+
+    Two machines that report the same model name can differ here (AVX2
+    against AVX-512 with BF16), and timings with them: bfloat16 work (Muon's
+    iteration in ``torch.optim.Muon``, ``factor_product_dtype``) is emulated
+    without it.
+    """
+    from kaisa.demo.optimizers import native_bfloat16
+
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_native_bfloat16": native_bfloat16(torch.device("cpu")),
     }
 
 

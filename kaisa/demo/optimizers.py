@@ -26,7 +26,13 @@
   Nesterov, five quintic Newton-Schulz steps with coefficients (3.4445,
   -4.7750, 2.0315), learning rate scaled by ``sqrt(max(1, rows/cols))``,
   decoupled weight decay) but iterates in float32 where ``torch.optim.Muon``
-  uses bfloat16. Both Muon parts and the AdamW part follow the arm's schedule,
+  uses bfloat16. **On a device without native bfloat16 matrix products**
+  (:func:`native_bfloat16`: a CPU without AVX-512 BF16 or AMX, for one) the
+  hidden matrices go to ``ConvMuon`` too: there ``torch.optim.Muon``'s
+  bfloat16 iteration is emulated, and its step cost 8.8× AdamW's on the
+  language model (AVX2-only EPYC, 2 threads), a handicap of the machine, not
+  of Muon (float32 there: 1.6×). The arm's record (``matrices``) says which
+  path it took. Both Muon parts and the AdamW part follow the arm's schedule,
   the AdamW part at ``ArmConfig.adamw_lr_ratio`` times the Muon peak.
 
 Every optimizer's param groups carry an ``"lr_scale"`` (the group's peak over
@@ -58,6 +64,7 @@ __all__ = [
     "TrainingOptimizer",
     "build_optimizer",
     "muon_param_split",
+    "native_bfloat16",
     "newton_schulz",
     "require_heavyball",
 ]
@@ -219,7 +226,7 @@ class MuonSplit:
     """Parameter names by the optimizer the Muon arm gives them."""
 
     matrices: tuple[str, ...]
-    """Hidden 2-D weights: ``torch.optim.Muon``."""
+    """Hidden 2-D weights: ``torch.optim.Muon`` (:class:`ConvMuon` without native bfloat16)."""
     filters: tuple[str, ...]
     """Hidden conv filters (4-D): :class:`ConvMuon`."""
     adamw: tuple[str, ...]
@@ -292,9 +299,28 @@ def muon_param_split(model: nn.Module) -> MuonSplit:
     return MuonSplit(tuple(matrices), tuple(filters), tuple(adamw))
 
 
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 matrices in hardware.
+
+    CUDA: ``torch.cuda.is_bf16_supported()``. CPU: oneDNN's check for
+    AVX-512 BF16 or AMX (``torch.ops.mkldnn._is_mkldnn_bf16_supported``);
+    without them bfloat16 products are converted to float32 and back, which
+    costs more than float32 itself. Anything else: ``True`` (left to the
+    device). A property of the machine, the same on every run of it.
+    """
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    if device.type == "cpu":
+        check = getattr(getattr(torch.ops, "mkldnn", None), "_is_mkldnn_bf16_supported", None)
+        return bool(check()) if check is not None else False
+    return True
+
+
 def _build_muon(model: nn.Module, arm: ArmConfig) -> tuple[TrainingOptimizer, dict[str, Any]]:
     split = muon_param_split(model)
     named = dict(_unwrap(model).named_parameters())
+    device = next((p.device for p in named.values()), torch.device("cpu"))
+    bfloat16_iteration = native_bfloat16(device)
     optimizers: list[torch.optim.Optimizer] = []
     muon_kw: dict[str, Any] = {
         "lr": arm.lr,
@@ -305,7 +331,8 @@ def _build_muon(model: nn.Module, arm: ArmConfig) -> tuple[TrainingOptimizer, di
     }
     if split.matrices:
         group = {"params": [named[n] for n in split.matrices], "lr_scale": 1.0}
-        optimizers.append(torch.optim.Muon([group], **muon_kw))
+        muon_class = torch.optim.Muon if bfloat16_iteration else ConvMuon
+        optimizers.append(muon_class([group], **muon_kw))
     if split.filters:
         group = {"params": [named[n] for n in split.filters], "lr_scale": 1.0}
         optimizers.append(ConvMuon([group], **muon_kw))
@@ -321,6 +348,10 @@ def _build_muon(model: nn.Module, arm: ArmConfig) -> tuple[TrainingOptimizer, di
         "muon_conv_filters": list(split.filters),
         "adamw_params": list(split.adamw),
         "conv_filters": "Muon: kaisa.demo.optimizers.ConvMuon on (out, in*kh*kw), float32",
+        "matrices": "Muon: torch.optim.Muon, bfloat16 iteration"
+        if bfloat16_iteration
+        else f"Muon: kaisa.demo.optimizers.ConvMuon, float32 iteration ({device.type} has no "
+        "native bfloat16 matrix products)",
     }
     return OptimizerChain(optimizers), info
 

@@ -518,9 +518,16 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     at_end = (summary["machine"].get("at_end") or {}).get("load_average_1_5_15")
     lines.append(f"Load average (1/5/15 min) at start {at_start}, at end {at_end}.")
     device = summary.get("device") or "cpu"
+    machine = summary["machine"].get("at_start") or {}
     if device != "cpu":
-        gpu = (summary["machine"].get("at_start") or {}).get("gpu")
+        gpu = machine.get("gpu")
         lines.append(f"Trained on {device}" + (f" ({gpu})." if gpu else "."))
+    elif "cpu_capability" in machine:
+        bf16 = "native" if machine.get("cpu_native_bfloat16") else "emulated"
+        lines.append(
+            f"CPU: {machine.get('cpu')}, {machine.get('cpu_count')} CPUs, "
+            f"{machine['cpu_capability']}, bfloat16 {bf16}."
+        )
     return "\n".join(lines) + "\n"
 
 
