@@ -31,7 +31,7 @@
   hidden matrices go to ``ConvMuon`` too: there ``torch.optim.Muon``'s
   bfloat16 iteration is emulated, and its step cost 8.8× AdamW's on the
   language model (AVX2-only EPYC, 2 threads), a handicap of the machine, not
-  of Muon (float32 there: 1.6×). The arm's record (``matrices``) says which
+  of Muon (float32 there: 1.3–1.6×). The arm's record (``matrices``) says which
   path it took. Both Muon parts and the AdamW part follow the arm's schedule,
   the AdamW part at ``ArmConfig.adamw_lr_ratio`` times the Muon peak.
 
