@@ -942,11 +942,14 @@ def test_summary_rows_over_workloads() -> None:
 
     from kaisa.demo.compare import machine_info
 
-    on_record = summarize_suite(docs, machine_before=machine_info())
-    native = "native" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "emulated"
-    assert f"{torch.backends.cpu.get_cpu_capability()}, bfloat16 {native}." in summary_markdown(
-        on_record
-    )
+    machine = machine_info()
+    assert machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    for native, word in ((True, "native"), (False, "emulated")):
+        on_record = summarize_suite(
+            docs, machine_before={**machine, "cpu": "Some CPU", "cpu_native_bfloat16": native}
+        )
+        line = f"CPU: Some CPU, {machine['cpu_count']} CPUs, {machine['cpu_capability']}, "
+        assert f"{line}bfloat16 {word}." in summary_markdown(on_record)
 
 
 # --- bad arms and workloads, SOAP without heavyball ------------------------------------

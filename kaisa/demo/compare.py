@@ -32,6 +32,7 @@ import torch
 
 from kaisa.demo.config import KAISA_ARMS, METRICS, WORKLOADS, DemoConfig
 from kaisa.demo.datasets import Dataset
+from kaisa.demo.optimizers import native_bfloat16
 from kaisa.demo.text import TextCorpus
 from kaisa.demo.train import DistContext, RunResult, train_arm, train_arms_in_lockstep
 
@@ -189,8 +190,6 @@ def cpu_features() -> dict[str, Any]:
     iteration in ``torch.optim.Muon``, ``factor_product_dtype``) is emulated
     without it.
     """
-    from kaisa.demo.optimizers import native_bfloat16
-
     return {
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_native_bfloat16": native_bfloat16(torch.device("cpu")),
