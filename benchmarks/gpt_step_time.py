@@ -18,7 +18,9 @@ decompositions), then, for ``--rounds`` rounds, ``--steps`` steps each in
 turn, the order rotated every round, so the load falls on all arms alike; a
 round's steps cover whole factor and inverse intervals for intervals that
 divide ``--steps``. Reported per arm: the median over rounds of its mean ms per
-step, its ratio to AdamW's in the same round (median), and the load average
+step, its ratio to AdamW's in the same round (median), K-FAC's ms per step by
+phase over the measured rounds (``phase_ms``: the phase an option changes,
+apart from how many decompositions fell in the window), and the load average
 before and after. Nothing is asserted. ::
 
     python benchmarks/gpt_step_time.py --threads 2 --rounds 3 --steps 80 \\
@@ -63,6 +65,10 @@ class Arm:
             else None
         )
         self.ms: list[float] = []
+
+    def phase_seconds(self) -> dict[str, float]:
+        """K-FAC's seconds so far per phase (its telemetry); empty without kaisa."""
+        return {} if self.pre is None else dict(self.pre.telemetry.phase_seconds)
 
     def steps(self, batches: list[torch.Tensor]) -> float:
         """Train on ``batches``; the mean wall milliseconds per step."""
@@ -126,6 +132,8 @@ def main() -> None:
     warm = batches(args.warmup)
     for arm in arms:
         arm.steps(warm)
+    # K-FAC's seconds per phase over the measured rounds only (not the warm-up).
+    before = {arm.name: arm.phase_seconds() for arm in arms}
     ratios: dict[str, list[float]] = {arm.name: [] for arm in arms}
     with LoadRecord() as load:
         for r in range(args.rounds):
@@ -136,8 +144,14 @@ def main() -> None:
                 arm.ms.append(this_round[arm.name])
                 if "adamw" in this_round:
                     ratios[arm.name].append(this_round[arm.name] / this_round["adamw"])
+    measured = args.rounds * args.steps
     rows = []
     for arm in arms:
+        after = arm.phase_seconds()
+        phase_ms = {
+            phase: round(1000.0 * (seconds - before[arm.name].get(phase, 0.0)) / measured, 2)
+            for phase, seconds in sorted(after.items())
+        }
         rows.append(
             {
                 "arm": arm.name,
@@ -146,6 +160,8 @@ def main() -> None:
                 if ratios[arm.name]
                 else None,
                 "kfac": specs[arms.index(arm)][2],
+                # K-FAC's ms per step by phase (its telemetry) in the measured rounds.
+                "phase_ms": phase_ms or None,
                 "intervals": None
                 if arm.pre is None
                 else [
@@ -162,6 +178,10 @@ def main() -> None:
         )
     columns = ["arm", "ms_per_step", "vs_adamw", "intervals", "decomposed"]
     print(format_table(columns, [[row[c] for c in columns] for row in rows]))
+    for row in rows:
+        if row["phase_ms"]:
+            phases = ", ".join(f"{k} {v:g}" for k, v in row["phase_ms"].items() if v)
+            print(f"{row['arm']}: K-FAC ms per step by phase: {phases}")
     print("load:", load.as_dict())
     if args.json:
         write_json(

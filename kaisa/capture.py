@@ -153,27 +153,78 @@ class LayerCaptures:
         self.grad_outputs.clear()
         self.submitted = False
 
-    def accumulate(self, which: str, x: torch.Tensor) -> None:
-        """Add one call's captures of side ``which`` (input or output gradient)."""
+    def accumulate(self, which: str, x: torch.Tensor, sampler: RowSampler | None = None) -> None:
+        """Add one call's captures of side ``which`` (input or output gradient).
+
+        ``sampler`` (``factor_sample`` below 1) draws the rows the grams
+        multiply out; the moments take every row.
+        """
         handler = self.handler
+        drawn: torch.Tensor | None = None
         for key in self.keys:
             if key[0] != which:
                 continue
             out = self.sums.get(key)
-            if key == ("a", "gram"):
-                total, rows = handler.a_sum(x, out)
-            elif key == ("a", "moments"):
-                total, rows = handler.a_moments(x, out)
-            elif key == ("g", "gram"):
-                total, rows = handler.g_sum(x, out)
+            if key[1] == "gram" and sampler is not None:
+                if drawn is None:
+                    drawn = sampler.draw(self, which, x)
+                rows_of = drawn
             else:
-                total, rows = handler.g_moments(x, out)
+                rows_of = x
+            if key == ("a", "gram"):
+                total, rows = handler.a_sum(rows_of, out)
+            elif key == ("a", "moments"):
+                total, rows = handler.a_moments(rows_of, out)
+            elif key == ("g", "gram"):
+                total, rows = handler.g_sum(rows_of, out)
+            else:
+                total, rows = handler.g_moments(rows_of, out)
             self.sums[key] = total
             self.rows[key] = self.rows.get(key, 0) + rows
 
     def capture_bytes(self) -> int:
         tensors = [*self.sums.values(), *self.inputs, *self.grad_outputs]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class RowSampler:
+    """Draws the rows of one call's capture that the factor products use (``factor_sample``).
+
+    ``keep`` in ``(0, 1)``. Each draw is seeded from the step, the layer's
+    index, the side and the layer's calls drawn so far in the iteration alone
+    (:meth:`seed`), so that it does not depend on what ran before: two runs
+    draw alike, and a run resumed from a checkpoint draws as the
+    uninterrupted one. The indices are drawn on the CPU (a private
+    generator; the global random state is never touched) and moved to the
+    capture's device.
+    """
+
+    def __init__(self, keep: float, layers: Sequence[LayerCaptures]) -> None:
+        self.keep = keep
+        self.step = 0
+        self._index = {id(layer): i for i, layer in enumerate(layers)}
+        self._calls: dict[tuple[int, str], int] = {}
+        self._generator = torch.Generator()
+
+    def begin(self, step: int) -> None:
+        """A new iteration, at optimizer step ``step``: the call counts start again."""
+        self.step = step
+        self._calls.clear()
+
+    def seed(self, index: int, which: str, call: int) -> int:
+        """The seed of one draw: a fixed function of its coordinates."""
+        return ((self.step * 1_000_003 + index) * 4_099 + call) * 2 + (which == "g")
+
+    def draw(self, layer: LayerCaptures, which: str, x: torch.Tensor) -> torch.Tensor:
+        """``x`` cut to a random ``keep`` share of its rows (at least one) by the
+        layer's handler; ``x`` itself where the handler cannot draw."""
+        index = self._index.get(id(layer), -1)
+        key = (index, which)
+        call = self._calls.get(key, 0)
+        self._calls[key] = call + 1
+        self._generator.manual_seed(self.seed(index, which, call))
+        drawn = layer.handler.sample_rows(which, x, self.keep, self._generator)
+        return x if drawn is None else drawn
 
 
 def _then(
@@ -214,6 +265,8 @@ class Capturer:
         device_type: the device type whose autocast is turned off in the hooks.
         grad_scale: reads the current loss scale (``None``: no scaler); the
             output gradients are unscaled with it before any product.
+        factor_sample: the share of each call's rows the grams multiply out
+            (:class:`RowSampler`; 1: every row).
     """
 
     def __init__(
@@ -227,8 +280,11 @@ class Capturer:
         product_dtype: torch.dtype,
         device_type: str,
         grad_scale: Callable[[], float] | None,
+        factor_sample: float = 1.0,
     ) -> None:
         self.layers = list(layers)
+        #: Draws the rows of the grams (``factor_sample`` below 1), else ``None``.
+        self.sampler = RowSampler(factor_sample, self.layers) if factor_sample < 1.0 else None
         self.comm = comm
         self.telemetry = telemetry
         self.accumulation_steps = accumulation_steps
@@ -249,6 +305,12 @@ class Capturer:
         self.backward_passes: set[int] = set()
         self.step_scale: float | None = None  # the loss scale, read once per iteration
         self.abandoned = 0  # iterations abandoned so far (see abandon)
+
+    def arm(self, enabled: bool, step: int) -> None:
+        """Whether the coming iteration (optimizer step ``step``) captures."""
+        self.enabled = enabled
+        if self.sampler is not None:
+            self.sampler.begin(step)
 
     # -- hooks ---------------------------------------------------------------------
     def root_forward(self, module: nn.Module) -> None:
@@ -350,8 +412,8 @@ class Capturer:
                     delta = unscale(delta, self.step_scale)
             if self.update_in_hook:
                 with self.telemetry.timer("factor_products"):
-                    layer.accumulate("a", x)
-                    layer.accumulate("g", delta)
+                    layer.accumulate("a", x, self.sampler)
+                    layer.accumulate("g", delta, self.sampler)
             else:
                 layer.inputs.append(x)
                 layer.grad_outputs.append(delta)
@@ -449,9 +511,9 @@ class Capturer:
         """
         with self.telemetry.timer("factor_products"):
             for x in layer.inputs:
-                layer.accumulate("a", x)
+                layer.accumulate("a", x, self.sampler)
             for delta in layer.grad_outputs:
-                layer.accumulate("g", delta)
+                layer.accumulate("g", delta, self.sampler)
         layer.inputs.clear()
         layer.grad_outputs.clear()
         if any(key not in layer.sums or not layer.rows.get(key) for key in layer.keys):

@@ -269,6 +269,20 @@ class KFACOptions:
             products (default ``factor_dtype``). ``torch.bfloat16`` runs the
             products about 3× faster on CPUs with bf16 matrix support; the
             results are accumulated and averaged in ``factor_dtype``.
+        factor_sample: the share of each captured call's rows that the
+            factor products ``āᵀā`` and ``δᵀδ`` multiply out, in ``(0, 1]``
+            (default 1: every row). Below 1, a random subset of the rows
+            (tokens of a Linear, an attention projection or an embedding; whole
+            examples of a convolution) of at least one row, drawn anew at
+            every factor update, stands for all of them: the factors are
+            averaged over the rows drawn, and the products cost that share of
+            their full price. The draw is a function of the step, the layer and
+            the call only (two runs with the same seed draw alike, a resumed run
+            draws as an uninterrupted one). The moments the diagonal and
+            Kronecker-vector sides use are cheap and always take every row; a
+            layer whose handler cannot draw rows (``LayerHandler.sample_rows``)
+            takes all of them, and the constructor warns. On the language model
+            0.25 left the steps to the target as they were (``benchmarks/README.md``).
         damping_mode: 'absolute' (spec §4: ``γ`` is added to ``λ_G λ_Aᵀ``, or to
             each factor for 'inverse') or 'relative' (each factor is first
             divided by its mean eigenvalue ``trace/size``, so ``γ`` means the
@@ -393,6 +407,7 @@ class KFACOptions:
     update_factors_in_hook: bool = True
     conv_factor_estimator: ConvEstimator = "expand"
     factor_product_dtype: torch.dtype | None = None
+    factor_sample: float = 1.0
     damping_mode: DampingMode = "relative"
     factor_init: FactorInit = "first_batch"
     curvature: Any = "auto"
@@ -496,6 +511,11 @@ class KFACOptions:
         set_(self, "grafting", one_of("grafting", self.grafting, GRAFTINGS))
         check_cost_model(self.cost_model)
         check_number(self.eigenvalue_decay, "eigenvalue_decay", low=0.0, high=1.0, high_open=True)
+        set_(
+            self,
+            "factor_sample",
+            check_number(self.factor_sample, "factor_sample", low=0.0, high=1.0, low_open=True),
+        )
         if self.eigenbasis_tolerance is not None:
             tolerance = check_number(
                 self.eigenbasis_tolerance, "eigenbasis_tolerance", low=0.0, high=1.0, high_open=True

@@ -74,6 +74,11 @@ _NO_GRADIENT_CAUSES = (
 )
 
 
+def _draws_rows(handler: LayerHandler) -> bool:
+    """Whether ``handler`` can draw a share of a capture's rows (``factor_sample``)."""
+    return type(handler).sample_rows is not LayerHandler.sample_rows
+
+
 class KFACPreconditioner(StateDictOnly):
     r"""K-FAC gradient preconditioning with KAISA's adaptable placement of work.
 
@@ -149,6 +154,7 @@ class KFACPreconditioner(StateDictOnly):
         update_factors_in_hook: bool = True,
         conv_factor_estimator: str = "expand",
         factor_product_dtype: torch.dtype | None = None,
+        factor_sample: float = 1.0,
         damping_mode: str = "relative",
         factor_init: str = "first_batch",
         curvature: str | tuple[str, str] | Mapping[str, str | tuple[str, str]] = "auto",
@@ -185,6 +191,15 @@ class KFACPreconditioner(StateDictOnly):
                 "and nn.Embedding whose parameters require gradients and that skip_layers "
                 "does not exclude"
             )
+        if options.factor_sample < 1.0:
+            undrawn = [name for name, h in found if not _draws_rows(h)]
+            if undrawn:
+                warn(
+                    f"kaisa: factor_sample={options.factor_sample:g} cannot draw the rows of "
+                    f"{len(undrawn)} layer(s) ({', '.join(undrawn)}): their factor products "
+                    "take every row (their handlers do not implement sample_rows)",
+                    UserWarning,
+                )
         self.model = model
         self._grads = grad_access
         self._grads.bind([p for _, handler in found for p in handler.parameters()])
@@ -244,6 +259,7 @@ class KFACPreconditioner(StateDictOnly):
             product_dtype=self.product_dtype,
             device_type=self.device.type,
             grad_scale=self.loss_scale.reader(),
+            factor_sample=options.factor_sample,
         )
         # Nothing below can fail; one still on these layers hands them over to this one.
         modules = [layer.handler.module for layer in self._roster]
@@ -262,7 +278,7 @@ class KFACPreconditioner(StateDictOnly):
         self._peak_capture_bytes = 0
         #: The intervals' multiplier (``adaptive_intervals``; 1 otherwise).
         self._stretch = IntervalStretch(options.adaptive_intervals)
-        self._capturer.enabled = self._is_factor_step()
+        self._capturer.arm(self._is_factor_step(), self._steps)
         self._force_inverse_update = False
         if not self._auto.pending:
             self._report_uncorrected()
@@ -306,7 +322,7 @@ class KFACPreconditioner(StateDictOnly):
         self.plan = self._make_plan(self._roster.handlers, choice.specs)
         self.comm.set_layout(self._layout(), self.plan)
         self._roster.place(self.plan, self.rank)
-        self._capturer.enabled = self._is_factor_step()
+        self._capturer.arm(self._is_factor_step(), self._steps)
 
     def _report_uncorrected(self) -> None:
         """Warn once when the eigenvalue correction leaves layers out (never silently)."""
@@ -319,7 +335,7 @@ class KFACPreconditioner(StateDictOnly):
         self._auto.reopen()
         self._roster.rekey(self._auto.keys)
         self.comm.set_layout(self._layout(), self.plan)
-        self._capturer.enabled = True
+        self._capturer.arm(True, self._steps)
 
     @property
     def curvature_choice(self) -> BudgetChoice | None:
@@ -456,7 +472,7 @@ class KFACPreconditioner(StateDictOnly):
             self._capturer.end_iteration()
             self._grads.release()
             self._steps += 1
-            self._capturer.enabled = self._is_factor_step()
+            self._capturer.arm(self._is_factor_step(), self._steps)
             if self._auto.reopen_due(self._steps):
                 self._reopen_choice()
             self.telemetry.end_step()
@@ -693,7 +709,7 @@ class KFACPreconditioner(StateDictOnly):
             saved = restore.stretch.state_dict() if restore.stretch is not None else {"factor": 1}
             self._stretch.load_state_dict(saved)
         self._auto.restored(self._steps)
-        self._capturer.enabled = self._is_factor_step()
+        self._capturer.arm(self._is_factor_step(), self._steps)
         self._force_inverse_update = restore.recompute
 
     def remove_hooks(self) -> None:

@@ -570,6 +570,7 @@ def _corrupt(d: Path) -> Path:
         (lambda d, t: ["--data-dir", str(d), "--curvature", "dense"], "'exact', 'lowrank:K'"),
         (lambda d, t: ["--data-dir", str(d), "--eigenvalue-correction", "on"], "'ekfac'"),
         (lambda d, t: ["--data-dir", str(d), "--eigenbasis-tolerance", "1"], "in [0, 1)"),
+        (lambda d, t: ["--data-dir", str(d), "--factor-sample", "0"], "in (0, 1]"),
         (lambda d, t: ["--data-dir", str(d), "--time-budget", "0"], "--time-budget"),
         (
             lambda d, t: ["--data-dir", str(d), "--adaptive-intervals", "yes"],
@@ -654,6 +655,7 @@ def test_curvature_and_the_eigenvalue_correction_reach_both_kaisa_arms() -> None
         "--workload", "gpt", "--arms", "adamw,kaisa-sgd,kaisa-adamw", "--curvature", "Exact",
         "--eigenvalue-correction", "ekfac", "--factor-update-steps", "5",
         "--eigenbasis-tolerance", "0.05", "--time-budget", "2", "--adaptive-intervals", "on",
+        "--factor-sample", "0.25",
     )  # fmt: skip
     for arm in suite.workloads[0].arms:
         if arm.name == "adamw":
@@ -667,6 +669,7 @@ def test_curvature_and_the_eigenvalue_correction_reach_both_kaisa_arms() -> None
             "eigenbasis_tolerance": 0.05,
             "adaptive_intervals": True,
             "time_budget": 2.0,
+            "factor_sample": 0.25,
         }
     assert _suite("--curvature", "lowrank:16").workloads[0].arms[4].kfac.overrides() == {
         "curvature": "lowrank:16"

@@ -163,6 +163,7 @@ _positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
 _positive_float = _checked(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
 _nonnegative_float = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
 _fraction = _checked(float, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
+_share = _checked(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
 _unit_or_named = _checked(
     float, lambda v: 0.0 <= v <= 1.0, f"a number in [0, 1] or one of {', '.join(NAMED_FRACTIONS)}"
 )
@@ -375,6 +376,11 @@ _KFAC_OPTIONS: _Options = {
         "'on': stretch the factor and inverse intervals up to 8x while few eigenbases go "
         "stale (needs --eigenbasis-tolerance); 'off': the intervals as given",
         {"type": _on_off, "metavar": "{on,off}"},
+    ),
+    "--factor-sample": (
+        "the share of each layer call's rows (tokens; a convolution's examples) the factor "
+        "products multiply out, drawn anew at every factor update (1: every row)",
+        {"type": _share},
     ),
     "--time-budget": (
         "the automatic choice's allowance: K-FAC's work per step at most this many times "

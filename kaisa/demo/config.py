@@ -330,6 +330,7 @@ class KfacConfig:
     eigenbasis_tolerance: float | None = None
     adaptive_intervals: bool | None = None
     time_budget: float | None = None
+    factor_sample: float | None = None
 
     def overrides(self) -> dict[str, Any]:
         """Keyword arguments for ``KFACPreconditioner``: the fields that are set."""

@@ -100,6 +100,7 @@ _PLAIN = (
     "calibrate_budget",
     "update_factors_in_hook",
     "conv_factor_estimator",
+    "factor_sample",
 )
 
 

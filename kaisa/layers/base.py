@@ -167,6 +167,21 @@ class LayerHandler(ABC):
     ) -> tuple[torch.Tensor, int]:
         """``[Σ δ; Σ δ²]`` (``(2, g_size)``) for one call's output gradient and its row count."""
 
+    def sample_rows(
+        self, which: str, t: torch.Tensor, keep: float, generator: torch.Generator
+    ) -> torch.Tensor | None:
+        """One call's capture cut to a random ``keep`` share of its rows (``factor_sample``).
+
+        ``t`` is the call's input (``which='a'``) or output gradient
+        (``'g'``) as :meth:`a_sum` / :meth:`g_sum` take it; the result must be
+        something they take too, whose row count is that of the rows kept.
+        ``generator`` (CPU, seeded for this draw) is the only source of
+        randomness (:func:`draw_rows`). ``None``: this handler cannot draw
+        rows, and the grams take all of them (the default; the preconditioner
+        names such layers when ``factor_sample`` is below 1).
+        """
+        return None
+
     def capture_work(self, which: str, capture: str, rows: float) -> float:
         """Multiply-adds of one step's captures of side ``which`` over ``rows`` rows.
 
@@ -259,6 +274,26 @@ def _whole_weight(handler: LayerHandler, weight: torch.Tensor, rows: slice) -> N
             f"{type(handler).__name__}: weight_layout 'in_out' takes a whole 2-D weight "
             f"(weight_slot() gave a {weight.dim()}-D weight with rows {rows})"
         )
+
+
+def draw_rows(
+    count: int, keep: float, generator: torch.Generator, device: torch.device
+) -> torch.Tensor | None:
+    """Indices of ``max(1, round(keep · count))`` of ``count`` rows drawn without
+    replacement, in increasing order, on ``device``; ``None`` when that is every row."""
+    kept = max(1, round(keep * count))
+    if kept >= count:
+        return None
+    chosen = torch.randperm(count, generator=generator)[:kept].sort().values
+    return chosen.to(device, non_blocking=True)
+
+
+def sample_leading_rows(t: torch.Tensor, keep: float, generator: torch.Generator) -> torch.Tensor:
+    """``t``'s rows over every leading dimension (``(rows, t.shape[-1])``), cut to
+    a ``keep`` share by :func:`draw_rows` (a Linear's tokens)."""
+    rows = t.reshape(-1, t.shape[-1])
+    chosen = draw_rows(rows.shape[0], keep, generator, rows.device)
+    return rows if chosen is None else rows.index_select(0, chosen)
 
 
 def accumulator_dtype(rows: torch.Tensor) -> torch.dtype:

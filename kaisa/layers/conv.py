@@ -45,7 +45,7 @@ from kaisa.choices import CONV_ESTIMATORS
 from kaisa.layers import _conv_patches as patches
 from kaisa.layers._conv_geometry import ConvGeometry
 from kaisa.layers._conv_shifted import ShiftedProducts, covers
-from kaisa.layers.base import LayerHandler, accumulator_dtype, gram, gram_with_ones
+from kaisa.layers.base import LayerHandler, accumulator_dtype, draw_rows, gram, gram_with_ones
 from kaisa.validation import one_of
 
 __all__ = [
@@ -160,6 +160,14 @@ class _ConvHandler(LayerHandler):
         A ``(N, C, H, W)`` tensor is returned as it is, so the methods can pass
         their converted tensors to one another.
         """
+
+    def sample_rows(
+        self, which: str, t: torch.Tensor, keep: float, generator: torch.Generator
+    ) -> torch.Tensor:
+        """Whole examples: a ``keep`` share of the batch, every position of each."""
+        batched = self._batched(t)
+        chosen = draw_rows(batched.shape[0], keep, generator, batched.device)
+        return batched if chosen is None else batched.index_select(0, chosen)
 
     def probe_input(self, generator: torch.Generator) -> tuple[torch.Tensor, ...] | None:
         """One sample whose output has one position (one row), or ``None`` if padding forbids it.

@@ -20,7 +20,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kaisa.layers.base import LayerHandler, accumulator_dtype, last_dim_gram, last_dim_moments
+from kaisa.layers.base import (
+    LayerHandler,
+    accumulator_dtype,
+    last_dim_gram,
+    last_dim_moments,
+    sample_leading_rows,
+)
 
 
 class EmbeddingHandler(LayerHandler):
@@ -46,6 +52,14 @@ class EmbeddingHandler(LayerHandler):
     def _counts(self, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         flat = indices.reshape(-1)
         return torch.bincount(flat, minlength=self.a_size).to(dtype)
+
+    def sample_rows(
+        self, which: str, t: torch.Tensor, keep: float, generator: torch.Generator
+    ) -> torch.Tensor:
+        """Tokens: a ``keep`` share of the indices (``'a'``) or of the gradient's rows."""
+        if which == "a":
+            return sample_leading_rows(t.reshape(-1, 1), keep, generator).reshape(-1)
+        return sample_leading_rows(t, keep, generator)
 
     def a_sum(self, x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         counts = self._counts(x, out.dtype if out is not None else self._dtype)

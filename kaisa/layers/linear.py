@@ -20,6 +20,7 @@ from kaisa.layers.base import (
     last_dim_gram,
     last_dim_moments,
     row_moments,
+    sample_leading_rows,
 )
 
 
@@ -54,6 +55,12 @@ class LinearHandler(LayerHandler):
     ) -> tuple[torch.Tensor, int]:
         rows = x.reshape(-1, x.shape[-1])
         return row_moments(rows, out, ones=1.0 if self.has_bias else None), rows.shape[0]
+
+    def sample_rows(
+        self, which: str, t: torch.Tensor, keep: float, generator: torch.Generator
+    ) -> torch.Tensor:
+        """Tokens: a ``keep`` share of the rows over every leading dimension."""
+        return sample_leading_rows(t, keep, generator)
 
     def g_moments(
         self, grad_output: torch.Tensor, out: torch.Tensor | None = None

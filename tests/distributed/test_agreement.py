@@ -163,6 +163,7 @@ def test_digest_records_what_must_agree() -> None:
         "update_factors_in_hook",
         "eigenbasis_tolerance",
         "adaptive_intervals",
+        "factor_sample",
         "inv_dtype",
     ):
         assert key in digest
@@ -188,6 +189,7 @@ def test_digest_is_deterministic_and_sensitive() -> None:
         _digest(curvature="diagonal"),
         _digest(compute_method="inverse"),
         _digest(eigenbasis_tolerance=0.1),
+        _digest(factor_sample=0.5),
     ):
         assert header(other).tolist() != header(base).tolist()
         assert differences([base, other])

@@ -102,3 +102,20 @@ def test_the_example_runs_from_a_plain_install() -> None:
     assert result.returncode == 0, result.stderr
     assert "4 of 4 trainable parameters preconditioned" in result.stdout
     assert "final training loss" in result.stdout
+
+
+@pytest.mark.usefixtures("registered")
+def test_factor_sample_names_the_layers_whose_handler_cannot_draw_rows() -> None:
+    """``factor_sample`` below 1: a handler without ``sample_rows`` takes every row, said aloud."""
+    torch.manual_seed(0)
+    model = nn.Sequential(EX.Dense(6, 10), nn.Tanh(), nn.Linear(10, 3)).double()
+    with pytest.warns(
+        UserWarning, match=r"factor_sample=0.5 cannot draw the rows of 1 layer\(s\) \(0\)"
+    ):
+        pre = kaisa.KFACPreconditioner(model, lr=0.1, curvature="exact", factor_sample=0.5)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    model(x).square().sum().backward()
+    pre.step()
+    # The Dense layer's A is over all 8 rows; the Linear's over the 4 drawn.
+    rows = torch.cat([x, torch.ones(8, 1, dtype=torch.float64)], 1)
+    torch.testing.assert_close(pre.layers[0].block.a, rows.T @ rows / 8, rtol=1e-12, atol=1e-12)
