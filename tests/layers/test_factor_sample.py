@@ -13,12 +13,12 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from test_factors import capture, output_grads
 from torch import nn
 
 import kaisa
 from kaisa.capture import RowSampler
 from kaisa.layers.base import draw_rows
-from tests.layers.test_factors import capture, output_grads
 
 
 def _drawn(count: int, keep: float, which: str, index: int = 0, step: int = 0) -> torch.Tensor:
