@@ -276,13 +276,14 @@ class KFACOptions:
             examples of a convolution) of at least one row, drawn anew at
             every factor update, stands for all of them: the factors are
             averaged over the rows drawn, and the products cost that share of
-            their full price. The draw is a function of the step, the layer and
-            the call only (two runs with the same seed draw alike, a resumed run
+            their full price. The draw is a function of the step, the layer, the
+            side and the call only (two runs with the same seed draw alike, a resumed run
             draws as an uninterrupted one). The moments the diagonal and
             Kronecker-vector sides use are cheap and always take every row; a
             layer whose handler cannot draw rows (``LayerHandler.sample_rows``)
-            takes all of them, and the constructor warns. On the language model
-            0.25 left the steps to the target as they were (``benchmarks/README.md``).
+            takes all of them, and the constructor warns. At 0.25 the suite's
+            language model took about the same steps for half the products'
+            time, and its ViT more steps (``docs/language-models.md``).
         damping_mode: 'absolute' (spec §4: ``γ`` is added to ``λ_G λ_Aᵀ``, or to
             each factor for 'inverse') or 'relative' (each factor is first
             divided by its mean eigenvalue ``trace/size``, so ``γ`` means the
