@@ -218,7 +218,7 @@ class RowSampler:
     def draw(self, layer: LayerCaptures, which: str, x: torch.Tensor) -> torch.Tensor:
         """``x`` cut to a random ``keep`` share of its rows (at least one) by the
         layer's handler; ``x`` itself where the handler cannot draw."""
-        index = self._index.get(id(layer), -1)
+        index = self._index[id(layer)]
         key = (index, which)
         call = self._calls.get(key, 0)
         self._calls[key] = call + 1

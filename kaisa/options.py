@@ -276,9 +276,9 @@ class KFACOptions:
             examples of a convolution) of at least one row, drawn anew at
             every factor update, stands for all of them: the factors are
             averaged over the rows drawn, and the products cost that share of
-            their full price. The draw is a function of the step, the layer, the
-            side and the call only (two runs with the same seed draw alike, a resumed run
-            draws as an uninterrupted one). The moments the diagonal and
+            their full price. The draw is a function of the step, the layer,
+            the side and the call only (two runs with the same seed draw
+            alike, a resumed run draws as an uninterrupted one). The moments the diagonal and
             Kronecker-vector sides use are cheap and always take every row; a
             layer whose handler cannot draw rows (``LayerHandler.sample_rows``)
             takes all of them, and the constructor warns. At 0.25 the suite's
