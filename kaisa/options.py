@@ -322,7 +322,8 @@ class KFACOptions:
             the same machine when a measurement lands near a rounding step.
         eigenvalue_correction: 'off' (K-FAC's eigenvalue products), 'ekfac'
             or 'adam'. Layers whose sides have explicit eigenbases (exact
-            with the eigen method, or diagonal) keep ``S``, a running average
+            with the eigen method, low-rank: its top ``k`` eigenvectors and
+            one entry for the rest, or diagonal) keep ``S``, a running average
             of the squared gradient in the Kronecker eigenbasis refreshed
             every step, and divide the rotated gradient by it: 'ekfac' by
             ``S`` rescaled to the factors' mean eigenvalue product, plus the

@@ -176,7 +176,7 @@ class Layer:
     def correction_gap(self) -> str | None:
         """Why ``eigenvalue_correction`` (when on) leaves this layer out; ``None`` if it does not.
 
-        A low-rank or Kronecker-vector side has no explicit eigenbasis. A tied
+        A Kronecker-vector side has no explicit eigenbasis. A tied
         weight is corrected in its summed curvature's eigenbasis
         (:mod:`kaisa.curvature.shared`), whatever its uses' sides, by the owner.
         """
@@ -323,7 +323,7 @@ class Roster:
         return (
             f"kaisa: eigenvalue_correction={self.options.eigenvalue_correction!r} reaches "
             f"{len(self) - len(left)} of {len(self)} layers; the others keep K-FAC's solve: "
-            f"{shown}{more} (a low-rank or Kronecker-vector side has no explicit eigenbasis). "
+            f"{shown}{more} (a Kronecker-vector side has no explicit eigenbasis). "
             "curvature='exact', a curvature rule for these layers, or for sides left to the "
             "automatic choice a larger time_budget, lets it reach them; "
             "layers[i].corrected says which it reaches"

@@ -191,8 +191,9 @@ def test_a_wide_linear_layer_at_the_default_budget() -> None:
 
 
 def test_with_a_correction_on_the_choice_is_the_plain_one_and_names_what_it_leaves() -> None:
-    """The correction does not change the ladder: a layer the budget holds in low rank
-    keeps K-FAC's solve (and is named once); every exact or diagonal one is corrected."""
+    """The correction does not change the ladder: a layer the budget holds in Kronecker
+    vectors keeps K-FAC's solve (and is named once); every exact, low-rank or diagonal
+    one is corrected."""
     model = MLP()
     plain = kaisa.KFACPreconditioner(model, lr=0.1, cost_model=NO_OPERATORS, time_budget=0.15)
     run(model, plain, range(2))
@@ -207,9 +208,9 @@ def test_with_a_correction_on_the_choice_is_the_plain_one_and_names_what_it_leav
     choice = pre.curvature_choice
     assert choice is not None and choice.within_budget
     assert choice == plain.curvature_choice == choose_curvature(mlp_work(), 0.15)
-    reached = ("exact", "diagonal")
+    reached = ("exact", "lowrank", "diagonal")
     left = [layer.name for layer in pre.layers if not layer.corrected]
-    assert left  # the budget holds a side of this MLP in low rank or Kronecker vectors
+    assert left  # the budget holds a side of this MLP in Kronecker vectors
     for layer in pre.layers:
         assert layer.corrected == all(SideSpec.parse(s).kind in reached for s in layer.curvature)
     said = [str(w.message) for w in caught if "eigenvalue_correction" in str(w.message)]

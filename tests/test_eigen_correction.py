@@ -106,34 +106,45 @@ def test_checkpoints_without_the_option_or_with_stray_scales() -> None:
         target.load_state_dict(state)
 
 
-def test_the_correction_applies_to_exact_and_diagonal_sides_only() -> None:
-    """Exact and diagonal sides have explicit bases (``Q``, the identity); low rank does not."""
+def test_the_correction_applies_to_exact_low_rank_and_diagonal_sides_only() -> None:
+    """Exact, low-rank and diagonal sides have explicit bases (``Q``, the top ``k``
+    eigenvectors and a rest, the identity); a Kronecker-vector side does not."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3))
-    curvature = {"^0$": "exact", "^2$": ("lowrank:2", "exact"), "^4$": ("exact", "diagonal")}
-    with pytest.warns(RuntimeWarning, match="reaches 2 of 3 layers"):
+    model = nn.Sequential(
+        nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3), nn.Tanh()
+    )
+    model.append(nn.Linear(3, 3))
+    curvature = {
+        "^0$": "exact",
+        "^2$": ("lowrank:2", "exact"),
+        "^4$": ("exact", "diagonal"),
+        "^6$": ("kvec", "exact"),
+    }
+    with pytest.warns(RuntimeWarning, match="reaches 3 of 4 layers"):
         pre = kaisa.KFACPreconditioner(
             model, eigenvalue_correction="adam", **{**OPTIONS, "curvature": curvature}
         )
     _train(model, pre, range(3))
     states = {layer.name: layer.block.state_dict() for layer in pre.layers}
     assert "eigen_scales" in states["0"] and "eigen_scales" in states["4"]
-    assert "eigen_scales" not in states["2"]
+    assert "eigen_scales" not in states["6"]
     assert states["4"]["eigen_scales"].shape == (3, 9)  # (out, in + bias)
+    # A (12 + bias) held at rank 2: two eigen-directions and one entry for the rest.
+    assert states["2"]["eigen_scales"].shape == (8, 3)
 
 
 def test_layers_the_correction_does_not_reach_are_named_at_construction() -> None:
-    """Fixed representations: a low-rank side leaves its layer out, said once, by name."""
+    """Fixed representations: a Kronecker-vector side leaves its layer out, said once, by name."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3))
-    curvature = {"^0$": "exact", "^2$": ("lowrank:2", "exact"), "^4$": ("exact", "diagonal")}
+    curvature = {"^0$": "exact", "^2$": ("kvec", "exact"), "^4$": ("exact", "diagonal")}
     with pytest.warns(RuntimeWarning) as caught:
         pre = kaisa.KFACPreconditioner(
             model, eigenvalue_correction="adam", **{**OPTIONS, "curvature": curvature}
         )
     texts = [str(w.message) for w in caught if "eigenvalue_correction" in str(w.message)]
     assert len(texts) == 1
-    assert "reaches 2 of 3 layers" in texts[0] and "'2' (A lowrank:2, G exact)" in texts[0]
+    assert "reaches 2 of 3 layers" in texts[0] and "'2' (A kvec, G exact)" in texts[0]
     assert {layer.name: layer.corrected for layer in pre.layers} == {
         "0": True,
         "2": False,

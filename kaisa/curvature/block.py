@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 
 from kaisa.choices import ComputeMethod, DampingMode, EigenCorrection, FactorInit
-from kaisa.curvature.eigencorrection import EigenScales
+from kaisa.curvature.eigencorrection import EigenScales, scale_length
 from kaisa.curvature.linalg import (
     DecompositionError,
     compute_dtype,
@@ -92,9 +92,10 @@ HELD_FACTOR_WARNING = 0.1
 OUTLIER_PATIENCE = 1
 
 #: The side representations whose eigenbasis is explicit, so that the
-#: eigenvalue correction can rotate into it: exact (``Q`` of the factor) and
-#: diagonal (the identity).
-CORRECTED_KINDS = ("exact", "diagonal")
+#: eigenvalue correction can rotate into it: exact (``Q`` of the factor),
+#: low-rank (its top ``k`` eigenvectors ``U``, and the rest of the space as one
+#: direction per direction of the other side) and diagonal (the identity).
+CORRECTED_KINDS = ("exact", "lowrank", "diagonal")
 
 #: What :meth:`KroneckerBlock.fold_unless_outlier` did with a batch.
 FoldStatus = Literal["folded", "held", "spike", "rescaled"]
@@ -174,7 +175,7 @@ class KroneckerBlock:
         side_method = method if self.exact else "eigen"
         #: Eigenvalue correction (``'ekfac'`` or ``'adam'``) of a layer whose sides have explicit
         #: eigenbases: exact (eigen method) or diagonal (the identity); ``'off'``
-        #: for a layer with a low-rank or Kronecker-vector side (spec §11).
+        #: for a layer with a Kronecker-vector side (spec §11).
         self.correction: EigenCorrection = (
             correction
             if side_method == "eigen"
@@ -285,8 +286,14 @@ class KroneckerBlock:
         if self.correction != "off" and self.eigen_scales is None:
             device = self.sides["a"].factor.device
             # S (squared gradients) is kept in at least float32: it does not fit float16.
+            a_spec, g_spec = self.specs
             self.eigen_scales = EigenScales.zeros(
-                self.g_size, self.a_size, device, compute_dtype(self.inv_dtype)
+                self.g_size,
+                self.a_size,
+                device,
+                compute_dtype(self.inv_dtype),
+                g_rank=g_spec.rank,
+                a_rank=a_spec.rank,
             )
         if self.has_second_order:
             return
@@ -425,7 +432,8 @@ class KroneckerBlock:
             # Solved in at least float32 whatever inv_dtype (spec §4): work_state().
             a, g = self.sides["a"], self.sides["g"]
             qa, qg = (
-                side.work_state()[0] if isinstance(side, ExactSide) else None for side in (a, g)
+                side.work_state()[0] if isinstance(side, (ExactSide, LowRankSide)) else None
+                for side in (a, g)
             )
             relative = self.damping_mode == "relative"
             # μ, the mean eigenvalue product as the damping sees it ('ekfac'):
@@ -611,6 +619,12 @@ class BlockLayout:
     @property
     def side_method(self) -> ComputeMethod:
         return self.method if self.exact else "eigen"
+
+    @property
+    def scale_shape(self) -> tuple[int, int]:
+        """The shape of the eigenvalue correction's ``S`` (:func:`scale_length` per side)."""
+        a_spec, g_spec = self.specs
+        return scale_length(self.g_size, g_spec.rank), scale_length(self.a_size, a_spec.rank)
 
     @property
     def outer(self) -> bool:
@@ -802,7 +816,7 @@ def check_block_state(
         if not layout.correction:
             raise ValueError(
                 f"{where}: the state dict holds eigenvalue-corrected scales ('eigen_scales'), "
-                "which this layer does not use (eigenvalue_correction 'off', or a low-rank or "
+                "which this layer does not use (eigenvalue_correction 'off', or a "
                 "Kronecker-vector side)"
             )
         if not has_second:
@@ -815,7 +829,7 @@ def check_block_state(
             check_tensor(
                 state["eigen_scales"],
                 f"{where}: eigenvalue-corrected scales",
-                (layout.g_size, layout.a_size),
+                layout.scale_shape,
                 device,
                 compute_dtype(layout.inv_dtype),
             ),

@@ -26,10 +26,10 @@ The rule, in full:
    the inverse interval (up to :data:`MAX_INV_STEPS`; never below the
    factor interval). Ties go to the earlier layer, ``A`` before ``G``,
    sides before intervals. The ladder is the same with an eigenvalue
-   correction on: it reaches the exact and diagonal rungs, and a layer
-   given a low-rank or Kronecker-vector side keeps K-FAC's solve (SmallCNN
-   took 800 steps with its 3137-wide input side corrected on its diagonal,
-   300 with it in rank 128: ``benchmarks/README.md``, session 23).
+   correction on: it reaches the exact, low-rank and diagonal rungs, and a
+   layer given a Kronecker-vector side keeps K-FAC's solve (SmallCNN took
+   800 steps with its 3137-wide input side corrected on its diagonal, 300
+   with it in rank 128 uncorrected: ``benchmarks/README.md``, session 23).
 3. When no move is left the choice is the cheapest one and
    :attr:`BudgetChoice.within_budget` is ``False`` (the caller warns once).
 4. When the choice fits and the inverse interval is free, spend what is left
@@ -277,9 +277,10 @@ def ladder(n: int) -> list[SideSpec]:
     """A side's representations, most curvature first.
 
     With an eigenvalue correction on the ladder is the same: the correction
-    reaches the exact and diagonal rungs (:mod:`kaisa.curvature.eigencorrection`),
-    and a layer the choice gives a low-rank or Kronecker-vector side keeps
-    K-FAC's solve (the preconditioner names such layers once).
+    reaches the exact, low-rank and diagonal rungs
+    (:mod:`kaisa.curvature.eigencorrection`), and a layer the choice gives a
+    Kronecker-vector side keeps K-FAC's solve (the preconditioner names such
+    layers once).
     """
     rungs = [SideSpec("exact")]
     rungs += [SideSpec("lowrank", k) for k in LOW_RANKS if 2 * k <= n]

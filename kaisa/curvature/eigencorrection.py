@@ -38,8 +38,15 @@ A side held diagonal (the budget's cheapest representation) has the identity
 as its eigenbasis: its rotation is skipped (``Q = None`` below), so a layer
 with one exact and one diagonal side is corrected in the exact side's basis
 only (a one-sided eigenbasis) and a layer with two diagonal sides gets
-per-coordinate second moments. Low-rank and Kronecker-vector sides have no
-explicit basis; a layer with one of them is not corrected.
+per-coordinate second moments. A low-rank side holds its factor's top ``k``
+eigenvectors ``U`` and one value for the rest of its space: its rotation is
+``Uᵀ``, and ``S`` gets one more row (G) or column (A) for the rest, the
+mean square of the gradient's component outside ``U``'s span per direction
+of the other side (one value where both sides are low-rank):
+:func:`rotate_partial`, :func:`partial_solve`. The rest is formed by
+projection and never rotated into, so a rank-``k`` side costs products
+with ``k`` columns, not ``n``. Kronecker-vector sides have no explicit
+basis; a layer with one is not corrected.
 The bases come from the factors and are refreshed at the inverse interval;
 ``S`` follows the gradients at every step, which is what lets a stale basis
 keep its scale right.
@@ -57,7 +64,20 @@ import torch
 
 from kaisa.choices import EigenCorrection
 
-__all__ = ["Basis", "EigenScales", "corrected_solve", "divisor", "rotate_in", "rotate_out"]
+__all__ = [
+    "Basis",
+    "EigenScales",
+    "PartialRotation",
+    "corrected_solve",
+    "divisor",
+    "has_rest",
+    "partial_solve",
+    "rotate_in",
+    "rotate_out",
+    "rotate_partial",
+    "scale_counts",
+    "scale_length",
+]
 
 #: A side's eigenbasis ``Q``, or ``None`` for the identity (a diagonal side).
 Basis = torch.Tensor | None
@@ -95,25 +115,152 @@ def divisor(
     correction: EigenCorrection,
     relative: bool,
     kron_mean: torch.Tensor | float = 1.0,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What the rotated gradient is divided by, element-wise (a new tensor, never 0).
 
     ``'ekfac'``: ``S·μ/mean(S) + γ``, ``μ = kron_mean`` the mean of the
     eigenvalue products as the damping sees them (1 under relative damping);
-    ``'adam'``: ``(S + γ s̄)^½`` (module docstring).
+    ``'adam'``: ``(S + γ s̄)^½`` (module docstring). ``counts``: how many
+    coordinates each entry of ``S`` stands for (a low-rank side's rest, see
+    :func:`partial_solve`), which the mean weighs by; ``None``: one each.
     """
     tiny = torch.finfo(scales.dtype).tiny
+    mean = scales.mean() if counts is None else (scales * counts).sum() / counts.sum()
     if correction == "ekfac":
         mu = torch.as_tensor(kron_mean, dtype=scales.dtype, device=scales.device)
         # (An all-zero S, a layer whose gradient was 0: Ŝ = 0 and P = 0, not 0/0.)
-        ratio = mu / scales.mean().clamp_min(tiny)
+        ratio = mu / mean.clamp_min(tiny)
         # (No tensor made from γ: on a GPU that would be a host copy per layer and step.)
         out = torch.mul(scales, ratio).add_(damping)
         return out if damping > tiny else out.clamp_min_(tiny)
     if correction == "adam":
-        shift = damping * scales.mean() if relative else damping
+        shift = damping * mean if relative else damping
         return (scales + shift).clamp_min_(tiny).sqrt_()
     raise ValueError(f"no eigenvalue-corrected solve for {correction!r}")
+
+
+def has_rest(basis: Basis) -> bool:
+    """Whether ``basis`` is a low-rank side's ``U`` (``n × k``, ``k < n``): a rest is left."""
+    return basis is not None and basis.shape[1] < basis.shape[0]
+
+
+def scale_length(size: int, rank: int | None) -> int:
+    """Entries of ``S`` along a side of ``size``: one per eigen-direction, and one for the
+    rest of a low-rank side (``rank`` its ``k``; ``None`` for an exact or diagonal side)."""
+    return size if rank is None or rank >= size else rank + 1
+
+
+def scale_counts(
+    g_size: int, a_size: int, g_rank: int | None, a_rank: int | None, like: torch.Tensor
+) -> torch.Tensor | None:
+    """How many coordinates each entry of ``S`` stands for; ``None`` when every entry is one."""
+    lengths = []
+    for size, rank in ((g_size, g_rank), (a_size, a_rank)):
+        n = scale_length(size, rank)
+        counts = torch.ones(n, dtype=like.dtype, device=like.device)
+        if n != size:
+            counts[-1] = size - (n - 1)
+        lengths.append(counts)
+    if all(len(c) == s for c, s in zip(lengths, (g_size, a_size), strict=True)):
+        return None
+    return torch.outer(lengths[0], lengths[1])
+
+
+def _left(q: Basis, m: torch.Tensor) -> torch.Tensor:
+    return m if q is None else q.t() @ m
+
+
+def _left_back(q: Basis, m: torch.Tensor) -> torch.Tensor:
+    return m if q is None else q @ m
+
+
+def _right(m: torch.Tensor, q: Basis) -> torch.Tensor:
+    return m if q is None else m @ q
+
+
+def _right_back(m: torch.Tensor, q: Basis) -> torch.Tensor:
+    return m if q is None else m @ q.t()
+
+
+@dataclass
+class PartialRotation:
+    """A gradient ``∇`` seen from bases of which one or both are low-rank (``U``, ``n × k``).
+
+    In each side's ``[U, rest]`` split ``∇`` has four blocks: ``T = U_Gᵀ ∇ U_A``
+    (``k_G × k_A``, one coordinate each), ``R_G = (I − U_GU_Gᵀ) ∇ U_A`` (one
+    mean square per A-direction), ``R_A = U_Gᵀ ∇ (I − U_AU_Aᵀ)`` (one per
+    G-direction) and ``R = (I − U_GU_Gᵀ) ∇ (I − U_AU_Aᵀ)`` (one mean square).
+    ``squares`` gathers them as ``S`` holds them: ``[[T², R_A], [R_G, R]]`` (the
+    rest rows and columns only for low-rank sides). An exact side's basis is
+    square (no rest), a diagonal side's ``None`` (the identity). The rest
+    blocks are formed, not inferred from norms: ``‖x‖² − ‖Uᵀx‖²`` loses its
+    digits where ``x`` lies almost in ``U``'s span (a gradient's rows lie
+    mostly in the span of ``A``'s top eigenvectors), and a rest's small
+    divisor would magnify what rounding left.
+    """
+
+    top: torch.Tensor
+    squares: torch.Tensor
+    rest_g: torch.Tensor | None
+    rest_a: torch.Tensor | None
+    rest_both: torch.Tensor | None
+
+
+def rotate_partial(grad: torch.Tensor, qa: Basis, qg: Basis, dtype: torch.dtype) -> PartialRotation:
+    """:class:`PartialRotation` of a ``(g, a)`` gradient, in ``dtype``."""
+    w = grad.to(dtype)
+    m, n = w.shape
+    has_g, has_a = has_rest(qg), has_rest(qa)
+    rest_g = rest_a = rest_both = None
+    if has_g:
+        right = _right(w, qa)  # ∇ U_A
+        top = _left(qg, right)
+        assert qg is not None
+        rest_g = right - qg @ top
+    if has_a:
+        assert qa is not None
+        left = _left(qg, w)  # U_Gᵀ ∇
+        if not has_g:
+            top = left @ qa
+        rest_a = left - top @ qa.t()
+        if has_g:
+            assert qg is not None and rest_g is not None
+            rest_both = (w - qg @ left) - rest_g @ qa.t()
+    k_g, k_a = top.shape
+    squares = top.square()
+    if rest_a is not None:
+        column = rest_a.square().sum(1, keepdim=True).div_(n - k_a)
+        squares = torch.cat([squares, column], 1)
+    if rest_g is not None:
+        row = rest_g.square().sum(0, keepdim=True).div_(m - k_g)
+        if rest_both is not None:
+            both = rest_both.square().sum().div((m - k_g) * (n - k_a))
+            row = torch.cat([row, both.reshape(1, 1)], 1)
+        squares = torch.cat([squares, row], 0)
+    return PartialRotation(top, squares, rest_g, rest_a, rest_both)
+
+
+def partial_solve(
+    rotation: PartialRotation, qa: Basis, qg: Basis, divided_by: torch.Tensor
+) -> torch.Tensor:
+    """``P`` from a :class:`PartialRotation` and the divisor of each entry of ``S``.
+
+    Each block is divided by its entries (``T`` coordinate by coordinate, a
+    rest block by its one value per direction of the other side) and rotated
+    back: ``P = (U_G (T ⊘ D_T) + R_G ⊘ D_G) U_Aᵀ + U_G (R_A ⊘ D_A) + R / D_R``.
+    """
+    top = rotation.top
+    k_g, k_a = top.shape
+    inner = _left_back(qg, top / divided_by[:k_g, :k_a])  # (g, k_a)
+    if rotation.rest_g is not None:
+        inner = inner + rotation.rest_g / divided_by[k_g, :k_a]
+    out = _right_back(inner, qa)
+    if rotation.rest_a is not None:
+        out = out + _left_back(qg, rotation.rest_a / divided_by[:k_g, k_a : k_a + 1])
+    if rotation.rest_both is not None:
+        out = out + rotation.rest_both / divided_by[k_g, k_a]
+    return out
 
 
 def corrected_solve(
@@ -152,10 +299,23 @@ class EigenScales:
 
     scales: torch.Tensor
     updates: int = 0
+    #: How many coordinates each entry stands for (:func:`scale_counts`); ``None``: one each.
+    counts: torch.Tensor | None = None
 
     @staticmethod
-    def zeros(g_size: int, a_size: int, device: torch.device, dtype: torch.dtype) -> EigenScales:
-        return EigenScales(torch.zeros(g_size, a_size, device=device, dtype=dtype))
+    def zeros(
+        g_size: int,
+        a_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        g_rank: int | None = None,
+        a_rank: int | None = None,
+    ) -> EigenScales:
+        """``S = 0`` for a ``(g_size, a_size)`` layer; a side of rank ``k`` (low-rank)
+        gets ``k`` entries and one for its rest (:func:`scale_length`)."""
+        shape = (scale_length(g_size, g_rank), scale_length(a_size, a_rank))
+        scales = torch.zeros(shape, device=device, dtype=dtype)
+        return EigenScales(scales, counts=scale_counts(g_size, a_size, g_rank, a_rank, scales))
 
     def solve(
         self,
@@ -172,10 +332,15 @@ class EigenScales:
 
         ``None`` for a basis: the identity (a diagonal side).
         """
-        v = rotate_in(grad, qa, qg, _dtype(qa, qg, self.scales))
+        dtype = _dtype(qa, qg, self.scales)
+        partial = rotate_partial(grad, qa, qg, dtype) if has_rest(qa) or has_rest(qg) else None
         k = self.updates
         xi = min(decay, k / (k + 1))
-        folded = (self.scales * xi).addcmul_(v, v, value=1.0 - xi)
+        if partial is not None:
+            folded = (self.scales * xi).add_(partial.squares, alpha=1.0 - xi)
+        else:
+            v = rotate_in(grad, qa, qg, dtype)
+            folded = (self.scales * xi).addcmul_(v, v, value=1.0 - xi)
         # An overflowed gradient must not poison S for the rest of the run (no
         # host sync: S stays as it was when anything is not finite). One
         # reduction tells: a NaN or inf entry makes the sum NaN or inf (so does
@@ -183,6 +348,9 @@ class EigenScales:
         finite = torch.isfinite(folded.sum())
         torch.where(finite, folded, self.scales, out=self.scales)
         self.updates += 1
+        if partial is not None:
+            d = divisor(self.scales, damping, correction, relative, kron_mean, self.counts)
+            return partial_solve(partial, qa, qg, d).to(grad.dtype)
         return corrected_solve(
             grad, qa, qg, self.scales, damping, correction, relative, kron_mean, rotated=v
         )

@@ -395,10 +395,17 @@ def configs(world_size: int) -> list[Config]:
             ),
             Config(f, "inverse", curvature="mix_exact_layer", bucket_cap_mb=SMALL_BUCKET_MB),
             # The correction of an (exact, diagonal) layer, fc2 (its diagonal side's
-            # basis is the identity); the other layers have no explicit basis.
+            # basis is the identity), and of a layer low-rank on both sides, conv2
+            # (S with a rest row and column); kvec layers have no explicit basis.
             Config(
                 f, "eigen", curvature="mix_b", correction="ekfac", relative=True, ddp=i % 2 == 1
             ),
+            # The same under absolute damping, Adam's divisor. (Not mix_a: its cuts,
+            # conv1's A at 4 and fc1's G at 3, fall where this net's spectra are flat
+            # or at rounding level, so its corrected step moves by ~4e-4 of itself
+            # for a 1e-7 change of the factor: one process summing in another order
+            # differs as much. The unit tests cover one-sided ranks in float64.)
+            Config(f, "eigen", curvature="mix_b", correction="adam", ddp=i % 2 == 0),
         ]
     return grid + extra + mixed
 
