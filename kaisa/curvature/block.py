@@ -174,7 +174,8 @@ class KroneckerBlock:
         self.exact = all(spec.kind == "exact" for spec in specs.values())
         side_method = method if self.exact else "eigen"
         #: Eigenvalue correction (``'ekfac'`` or ``'adam'``) of a layer whose sides have explicit
-        #: eigenbases: exact (eigen method) or diagonal (the identity); ``'off'``
+        #: eigenbases: exact (eigen method), low-rank (top ``k`` and a rest) or
+        #: diagonal (the identity); ``'off'``
         #: for a layer with a Kronecker-vector side (spec §11).
         self.correction: EigenCorrection = (
             correction

@@ -115,18 +115,19 @@ def divisor(
     correction: EigenCorrection,
     relative: bool,
     kron_mean: torch.Tensor | float = 1.0,
-    counts: torch.Tensor | None = None,
+    shares: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What the rotated gradient is divided by, element-wise (a new tensor, never 0).
 
     ``'ekfac'``: ``S·μ/mean(S) + γ``, ``μ = kron_mean`` the mean of the
     eigenvalue products as the damping sees them (1 under relative damping);
-    ``'adam'``: ``(S + γ s̄)^½`` (module docstring). ``counts``: how many
-    coordinates each entry of ``S`` stands for (a low-rank side's rest, see
-    :func:`partial_solve`), which the mean weighs by; ``None``: one each.
+    ``'adam'``: ``(S + γ s̄)^½`` (module docstring). ``shares``: the share of
+    the layer's coordinates each entry of ``S`` stands for (summing to 1; a
+    low-rank side's rest stands for many, see :func:`scale_counts`), which
+    the mean weighs by; ``None``: an equal share each.
     """
     tiny = torch.finfo(scales.dtype).tiny
-    mean = scales.mean() if counts is None else (scales * counts).sum() / counts.sum()
+    mean = scales.mean() if shares is None else (scales * shares).sum()
     if correction == "ekfac":
         mu = torch.as_tensor(kron_mean, dtype=scales.dtype, device=scales.device)
         # (An all-zero S, a layer whose gradient was 0: Ŝ = 0 and P = 0, not 0/0.)
@@ -155,15 +156,14 @@ def scale_counts(
     g_size: int, a_size: int, g_rank: int | None, a_rank: int | None, like: torch.Tensor
 ) -> torch.Tensor | None:
     """How many coordinates each entry of ``S`` stands for; ``None`` when every entry is one."""
-    lengths = []
-    for size, rank in ((g_size, g_rank), (a_size, a_rank)):
-        n = scale_length(size, rank)
-        counts = torch.ones(n, dtype=like.dtype, device=like.device)
-        if n != size:
-            counts[-1] = size - (n - 1)
-        lengths.append(counts)
-    if all(len(c) == s for c, s in zip(lengths, (g_size, a_size), strict=True)):
+    sides = ((g_size, scale_length(g_size, g_rank)), (a_size, scale_length(a_size, a_rank)))
+    if all(n == size for size, n in sides):
         return None
+    lengths = []
+    for size, n in sides:
+        counts = torch.ones(n, dtype=like.dtype, device=like.device)
+        counts[-1] = size - (n - 1)  # 1 where the side has no rest
+        lengths.append(counts)
     return torch.outer(lengths[0], lengths[1])
 
 
@@ -299,8 +299,9 @@ class EigenScales:
 
     scales: torch.Tensor
     updates: int = 0
-    #: How many coordinates each entry stands for (:func:`scale_counts`); ``None``: one each.
-    counts: torch.Tensor | None = None
+    #: The share of the layer's coordinates each entry stands for (:func:`scale_counts`
+    #: over their total), which :func:`divisor`'s mean weighs by; ``None``: equal shares.
+    shares: torch.Tensor | None = None
 
     @staticmethod
     def zeros(
@@ -315,7 +316,9 @@ class EigenScales:
         gets ``k`` entries and one for its rest (:func:`scale_length`)."""
         shape = (scale_length(g_size, g_rank), scale_length(a_size, a_rank))
         scales = torch.zeros(shape, device=device, dtype=dtype)
-        return EigenScales(scales, counts=scale_counts(g_size, a_size, g_rank, a_rank, scales))
+        counts = scale_counts(g_size, a_size, g_rank, a_rank, scales)
+        shares = None if counts is None else counts / (g_size * a_size)
+        return EigenScales(scales, shares=shares)
 
     def solve(
         self,
@@ -349,7 +352,7 @@ class EigenScales:
         torch.where(finite, folded, self.scales, out=self.scales)
         self.updates += 1
         if partial is not None:
-            d = divisor(self.scales, damping, correction, relative, kron_mean, self.counts)
+            d = divisor(self.scales, damping, correction, relative, kron_mean, self.shares)
             return partial_solve(partial, qa, qg, d).to(grad.dtype)
         return corrected_solve(
             grad, qa, qg, self.scales, damping, correction, relative, kron_mean, rotated=v

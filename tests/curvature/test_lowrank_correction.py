@@ -90,9 +90,8 @@ def test_the_partial_solve_is_the_dense_system_in_the_completed_bases(
     qa = None if k_a_spec == "diagonal" else _basis(a, k_a_spec, gen)  # type: ignore[arg-type]
     g_rank = k_g_spec if isinstance(k_g_spec, int) else None
     a_rank = k_a_spec if isinstance(k_a_spec, int) else None
-    k_g, k_a = scale_length(g, g_rank), scale_length(a, a_rank)
-    k_g -= g_rank is not None
-    k_a -= a_rank is not None
+    k_g = g if g_rank is None else g_rank  # the directions with an entry of their own
+    k_a = a if a_rank is None else a_rank
     scales = EigenScales.zeros(g, a, torch.device("cpu"), D, g_rank=g_rank, a_rank=a_rank)
     start = torch.rand(scales.scales.shape, generator=gen, dtype=D) + 0.2
     scales.scales.copy_(start)
@@ -126,6 +125,10 @@ def test_the_rest_of_a_low_rank_side_is_one_entry_standing_for_its_directions() 
     both = scale_counts(6, 4, 2, 1, like)
     assert both is not None and both.sum() == 24 and both[2, 1] == 4 * 3
     assert not has_rest(None) and not has_rest(torch.eye(3)) and has_rest(torch.eye(3, 2))
+    scales = EigenScales.zeros(6, 4, torch.device("cpu"), D, g_rank=2, a_rank=1)
+    assert scales.scales.shape == (3, 2) and scales.shares is not None
+    torch.testing.assert_close(scales.shares, both / 24)  # the divisor's mean weighs by these
+    assert EigenScales.zeros(6, 4, torch.device("cpu"), D).shares is None
 
 
 def _spd(n: int, gen: torch.Generator) -> torch.Tensor:
