@@ -15,8 +15,11 @@ after one at which more than :data:`STALE_HIGH` decomposed, it halves (down
 to 1, the intervals as given). Curvature that stays put is then refreshed
 less often, and curvature that moves keeps the intervals given. The share is
 summed over the ranks (each side is refreshed by one rank), so every rank
-holds the same multiplier. It is a pure function of the counts: two runs
-with the same seed stretch alike.
+holds the same multiplier. The first inverse update with sides that could
+keep a basis is no evidence and is skipped: those sides held the identity
+they start from, which a factor either fails (every side decomposes) or, at
+a loose tolerance, passes for no reason of its own. It is a pure function of
+the counts: two runs with the same seed stretch alike.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class IntervalStretch:
         self.enabled = enabled
         #: The intervals in force are the given (or chosen) ones times this.
         self.factor = 1
+        #: Whether the first inverse update with keepable sides (skipped) was seen.
+        self.started = False
 
     def observe(self, keepable: int, kept: int) -> bool:
         """One inverse update's counts over all ranks; returns whether the multiplier changed.
@@ -58,6 +63,9 @@ class IntervalStretch:
             return False
         if not 0 <= kept <= keepable:
             raise ValueError(f"kept ({kept}) must be in [0, keepable={keepable}]")
+        if not self.started:  # the sides held their starting identity: no evidence
+            self.started = True
+            return False
         stale = 1.0 - kept / keepable
         before = self.factor
         if stale < STALE_LOW:
@@ -67,7 +75,7 @@ class IntervalStretch:
         return self.factor != before
 
     def state_dict(self) -> dict[str, Any]:
-        return {"factor": self.factor}
+        return {"factor": self.factor, "started": self.started}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a saved multiplier; a bad value raises and changes nothing."""
@@ -77,4 +85,12 @@ class IntervalStretch:
                 f"state_dict 'interval_stretch' factor must be a power of 2 in [1, "
                 f"{MAX_STRETCH}]; got {factor}"
             )
+        # (A checkpoint written before 'started' was saved past its first update.)
+        started = state.get("started", True)
+        if not isinstance(started, bool):
+            raise TypeError(
+                f"state_dict 'interval_stretch' started must be a bool; got "
+                f"{type(started).__name__}"
+            )
         self.factor = factor
+        self.started = started

@@ -359,8 +359,9 @@ class KFACOptions:
             times a multiplier of 1, 2, 4 or 8 that doubles after an inverse
             update at which fewer than 20% of the eigenbases that could be
             kept decomposed and halves after one at which more than 40% did
-            (:mod:`kaisa.cadence`): curvature that stays put is refreshed
-            less often. Needs ``eigenbasis_tolerance`` and intervals that are
+            (:mod:`kaisa.cadence`; the first such update, from the
+            identity the sides start from, is not counted): curvature that
+            stays put is refreshed less often. Needs ``eigenbasis_tolerance`` and intervals that are
             numbers or left to kaisa, not schedules. An automatic
             ``factor_decay`` follows the stretched factor interval.
         grafting: 'off', or 'layer': each layer's preconditioned gradient is

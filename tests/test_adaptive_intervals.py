@@ -24,6 +24,8 @@ from kaisa.options import auto_decay
 def test_the_rule_doubles_below_the_low_share_and_halves_above_the_high_one() -> None:
     stretch = IntervalStretch(True)
     assert stretch.factor == 1
+    # The first update is no evidence (the sides held their starting identity).
+    assert not stretch.observe(10, 10) and stretch.factor == 1 and stretch.started
     # 10 keepable sides: 1 decomposed (10% < 20%) doubles, up to the maximum.
     factors, changed = [], 0
     for _ in range(5):
@@ -52,9 +54,10 @@ def test_the_rule_doubles_below_the_low_share_and_halves_above_the_high_one() ->
 def test_a_saved_multiplier_is_checked_before_it_is_restored() -> None:
     stretch = IntervalStretch(True)
     stretch.observe(4, 4)
+    stretch.observe(4, 4)
     again = IntervalStretch(True)
     again.load_state_dict(stretch.state_dict())
-    assert again.factor == 2 and again.state_dict() == {"factor": 2}
+    assert again.factor == 2 and again.state_dict() == {"factor": 2, "started": True}
     for bad, error in (
         ({"factor": 3}, ValueError),
         ({"factor": 16}, ValueError),
@@ -62,17 +65,25 @@ def test_a_saved_multiplier_is_checked_before_it_is_restored() -> None:
         ({"factor": True}, TypeError),
         ({}, TypeError),
         ({"factor": 2.0}, TypeError),
+        ({"factor": 1, "started": 1}, TypeError),
     ):
         with pytest.raises(error, match="interval_stretch"):
             again.load_state_dict(bad)
-        assert again.factor == 2
+        assert again.factor == 2 and again.started
+    # A checkpoint from before 'started' was written past the first update.
+    fresh = IntervalStretch(True)
+    fresh.load_state_dict({"factor": 1})
+    assert fresh.started and fresh.observe(4, 4) and fresh.factor == 2
+    unstarted = IntervalStretch(True)
+    unstarted.load_state_dict({"factor": 1, "started": False})
+    assert not unstarted.observe(4, 4) and unstarted.factor == 1
 
 
 def test_bases_that_stay_put_stretch_the_intervals_and_the_decay_follows() -> None:
     model = _net()
     # At this tolerance every held basis is kept: the intervals double at each
-    # inverse update (steps 0, 4, 8: the next multiple of the interval in force)
-    # up to 8 times the given 2.
+    # inverse update (steps 2, 4, 8: the next multiple of the interval in force;
+    # step 0's, the first, is no evidence) up to 8 times the given 2.
     pre = kaisa.KFACPreconditioner(
         model, eigenbasis_tolerance=0.9, adaptive_intervals=True, **OPTIONS
     )
@@ -82,14 +93,15 @@ def test_bases_that_stay_put_stretch_the_intervals_and_the_decay_follows() -> No
         hyper = pre.hyperparameters()
         seen.append((pre.interval_stretch, hyper.factor_update_steps, hyper.inv_update_steps))
         assert hyper.factor_decay == auto_decay(hyper.factor_update_steps)
-    assert seen[0] == seen[3] == (2, 4, 4)
+    assert seen[0] == seen[1] == (1, 2, 2)
+    assert seen[2] == seen[3] == (2, 4, 4)
     assert seen[4] == seen[7] == (4, 8, 8)
     assert seen[8] == (8, 16, 16)
     assert seen[-1] == (8, 16, 16)
     assert pre.telemetry.interval_changes == 3
     assert pre.telemetry.summary()["interval_changes"] == 3
-    # Refreshes at steps 0, 4, 8, 16 and 32 only (two layers, two sides each).
-    assert pre.telemetry.side_refreshes == 4 * 5
+    # Refreshes at steps 0, 2, 4, 8, 16 and 32 only (two layers, two sides each).
+    assert pre.telemetry.side_refreshes == 4 * 6
     assert "interval_stretch" in pre.state_dict()
 
 
@@ -183,7 +195,9 @@ def test_refused_options_name_themselves() -> None:
     )
     _train(model, pre, range(1))
     chosen = pre.curvature_choice
-    assert chosen is not None and pre.interval_stretch == 2
+    assert chosen is not None and pre.interval_stretch == 1  # (step 0: no evidence)
+    _train(model, pre, range(1, chosen.inv_update_steps + 1))
+    assert pre.interval_stretch == 2
     hyper = pre.hyperparameters()
     assert hyper.factor_update_steps == 2 * chosen.factor_update_steps
     assert hyper.inv_update_steps == 2 * chosen.inv_update_steps

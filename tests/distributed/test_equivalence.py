@@ -226,7 +226,7 @@ SMALL_BUCKET_MB = 1e-4  # 26 float32 elements: one all-reduce bucket per layer
 
 
 ReferenceKey = tuple[
-    str, bool, str, bool, int | None, str | None, bool, str, str, float, float | None
+    str, bool, str, bool, int | None, str | None, bool, str, str, float, float | None, bool, int
 ]
 
 
@@ -258,6 +258,8 @@ class Config:
     basis_tolerance: float | None = None
     # adaptive_intervals: the intervals stretched while bases stay kept.
     adaptive: bool = False
+    # inv_update_steps (factors every step).
+    inv_steps: int = 2
 
     def reference_key(self) -> ReferenceKey:
         """The single-process run this configuration must reproduce.
@@ -280,6 +282,7 @@ class Config:
             self.damping_scale,
             self.basis_tolerance,
             self.adaptive,
+            self.inv_steps,
         )
 
 
@@ -364,17 +367,19 @@ def configs(world_size: int) -> list[Config]:
                 colocate_factors=False,
                 ddp=i % 2 == 1,
             ),
-            # Intervals that follow the bases (adaptive_intervals): at this
-            # tolerance every side keeps its first (identity) basis at step 0, so
-            # the intervals double there on every rank alike (the counts are
-            # summed over the ranks): steps 1 and 3 capture nothing, step 2
-            # refreshes nothing.
+            # Intervals that follow the bases (adaptive_intervals), inverses
+            # every step: step 0's update is no evidence (the sides held the
+            # identity); at this tolerance every side keeps its basis at step 1
+            # and again at step 2, so the intervals double at each on every rank
+            # alike (the counts are summed over the ranks): 2 after step 1,
+            # 4 after step 2, and step 3 captures and refreshes nothing.
             Config(
                 f,
                 "eigen",
                 relative=True,
                 basis_tolerance=0.9,
                 adaptive=True,
+                inv_steps=1,
                 symmetry_aware=i % 2 == 1,
                 ddp=i % 2 == 0,
             ),
@@ -433,7 +438,7 @@ def make_preconditioner(model: nn.Module, config: Config) -> kaisa.KFACPrecondit
         model,
         curvature=curvature,
         factor_update_steps=1,
-        inv_update_steps=2,
+        inv_update_steps=config.inv_steps,
         damping=(RELATIVE_DAMPING if config.relative else DAMPING) * config.damping_scale,
         factor_decay=FACTOR_DECAY,
         kl_clip=KL_CLIP,
@@ -548,6 +553,7 @@ def reference(config: Config) -> torch.Tensor:
         damping_scale=config.damping_scale,
         basis_tolerance=config.basis_tolerance,
         adaptive=config.adaptive,
+        inv_steps=config.inv_steps,
     )
     return torch.stack(train(plain, 0, 1))
 
@@ -651,12 +657,12 @@ def test_the_tolerance_configurations_keep_some_bases_and_refresh_others() -> No
 
 def test_the_adaptive_configuration_stretches_its_intervals() -> None:
     """The equivalence above has teeth for ``adaptive_intervals``: in one process the
-    intervals double at step 0, and the weights differ from the same run without it."""
+    intervals double at steps 1 and 2, and the weights differ from the same run without it."""
     (config,) = [c for c in configs(2) if c.adaptive and c.fraction == 1.0]
     with single_thread():
         plain = dataclasses.replace(config, ddp=False, symmetry_aware=False)
         weights = train(plain, 0, 1)[-1]
-        assert STRETCH[plain] == 2
+        assert STRETCH[plain] == 4
         fixed = dataclasses.replace(plain, adaptive=False)
         unstretched = train(fixed, 0, 1)[-1]
         assert STRETCH[fixed] == 1
