@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from kaisa.cadence import stretched
 from kaisa.choices import (
     ASSIGNMENT_STRATEGIES,
     COMPUTE_METHODS,
@@ -357,15 +356,13 @@ class KFACOptions:
         adaptive_intervals: ``False`` (default: the intervals as given or
             chosen), or ``True``: with ``eigenbasis_tolerance``, the factor
             and inverse intervals in force are the given (or chosen) ones
-            times a multiplier of ½, 1, 2, 4 or 8 (rounded down, at least
-            one step) that doubles after an inverse update at which fewer
-            than 20% of the eigenbases that could be kept decomposed and
-            halves after one at which more than 40% did
-            (:mod:`kaisa.cadence`): curvature that stays put is refreshed
-            less often, and curvature that moves fast (a language model's
-            first few hundred steps) more often than given. Needs
-            ``eigenbasis_tolerance`` and intervals that are numbers or left
-            to kaisa, not schedules. An automatic
+            times a multiplier of 1, 2, 4 or 8 that doubles after an inverse
+            update at which fewer than 20% of the eigenbases that could be
+            kept decomposed and halves after one at which more than 40% did
+            (:mod:`kaisa.cadence`; the first such update, from the
+            identity the sides start from, is not counted): curvature that
+            stays put is refreshed less often. Needs ``eigenbasis_tolerance`` and intervals that are
+            numbers or left to kaisa, not schedules. An automatic
             ``factor_decay`` follows the stretched factor interval.
         grafting: 'off', or 'layer': each layer's preconditioned gradient is
             rescaled to the raw gradient's Frobenius norm before KL clipping,
@@ -640,7 +637,7 @@ class KFACOptions:
         return None, None
 
     def resolve(
-        self, step: int, chosen: tuple[int, int] | None = None, stretch: float = 1
+        self, step: int, chosen: tuple[int, int] | None = None, stretch: int = 1
     ) -> StepHyper:
         """Every hyperparameter's value at ``step``, checked (a bad schedule value raises).
 
@@ -671,7 +668,7 @@ class KFACOptions:
                 if steps.constant is not None
                 else MIN_FACTOR_STEPS
             )
-            decay = auto_decay(stretched(interval, stretch))
+            decay = auto_decay(interval * stretch)
         kl_clip = hyper.get("kl_clip")
         return StepHyper(
             factor_update_steps=factor_steps,
@@ -684,24 +681,24 @@ class KFACOptions:
         )
 
     def factor_interval(
-        self, step: int, chosen: tuple[int, int] | None = None, stretch: float = 1
+        self, step: int, chosen: tuple[int, int] | None = None, stretch: int = 1
     ) -> int:
         """``factor_update_steps`` at ``step`` (see :meth:`resolve`), alone."""
         if "factor_update_steps" in self.auto:
             base = chosen[0] if chosen is not None else MIN_FACTOR_STEPS
         else:
             base = self.hyper["factor_update_steps"].int_at(step)
-        return stretched(base, stretch)
+        return base * stretch
 
     def inverse_interval(
-        self, step: int, chosen: tuple[int, int] | None = None, stretch: float = 1
+        self, step: int, chosen: tuple[int, int] | None = None, stretch: int = 1
     ) -> int:
         """``inv_update_steps`` at ``step`` (see :meth:`resolve`), alone."""
         if "inv_update_steps" in self.auto:
             base = chosen[1] if chosen is not None else MIN_INV_STEPS
         else:
             base = self.hyper["inv_update_steps"].int_at(step)
-        return stretched(base, stretch)
+        return base * stretch
 
     def describe_hyper(self, values: StepHyper) -> str:
         """``name=value`` for each hyperparameter: as given, or as chosen when automatic."""

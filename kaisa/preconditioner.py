@@ -397,9 +397,9 @@ class KFACPreconditioner(StateDictOnly):
         return None if value is None else float(value)
 
     @property
-    def interval_stretch(self) -> float:
+    def interval_stretch(self) -> int:
         """The multiplier of the factor and inverse intervals in force (``adaptive_intervals``:
-        0.5, 1, 2, 4 or 8; always 1 without it)."""
+        1, 2, 4 or 8; always 1 without it)."""
         return self._stretch.factor
 
     def _is_factor_step(self) -> bool:
@@ -574,7 +574,7 @@ class KFACPreconditioner(StateDictOnly):
             if self._stretch.observe(*totals):
                 self.telemetry.interval_changes += 1
                 log.info(
-                    "kaisa: step %d: %d of %d eigenbases decomposed; intervals now x%g",
+                    "kaisa: step %d: %d of %d eigenbases decomposed; intervals now x%d",
                     self._steps,
                     totals[0] - totals[1],
                     totals[0],

@@ -17,22 +17,15 @@ from test_eigenbasis_tolerance import OPTIONS, _weights
 from torch import nn
 
 import kaisa
-from kaisa.cadence import (
-    MAX_STRETCH,
-    MIN_STRETCH,
-    STALE_HIGH,
-    STALE_LOW,
-    IntervalStretch,
-    stretched,
-)
+from kaisa.cadence import MAX_STRETCH, STALE_HIGH, STALE_LOW, IntervalStretch
 from kaisa.options import auto_decay
 
 
 def test_the_rule_doubles_below_the_low_share_and_halves_above_the_high_one() -> None:
     stretch = IntervalStretch(True)
     assert stretch.factor == 1
-    # The first update is no evidence (the sides held the identity): skipped.
-    assert not stretch.observe(10, 0) and stretch.factor == 1 and stretch.started
+    # The first update is no evidence (the sides held their starting identity).
+    assert not stretch.observe(10, 10) and stretch.factor == 1 and stretch.started
     # 10 keepable sides: 1 decomposed (10% < 20%) doubles, up to the maximum.
     factors, changed = [], 0
     for _ in range(5):
@@ -43,15 +36,13 @@ def test_the_rule_doubles_below_the_low_share_and_halves_above_the_high_one() ->
     assert not stretch.observe(10, 10 - round(10 * STALE_LOW))
     assert not stretch.observe(10, 10 - round(10 * STALE_HIGH))
     assert stretch.factor == 8
-    # 5 of 10 decomposed (50% > 40%) halves, down to half the intervals given.
+    # 5 of 10 decomposed (50% > 40%) halves, down to 1.
     factors = []
     for _ in range(5):
         changed += stretch.observe(10, 5)
         factors.append(stretch.factor)
-    assert factors == [4, 2, 1, 0.5, 0.5] and MIN_STRETCH == 0.5
-    assert changed == 7  # observe() says when the multiplier moved
-    # and back up from there.
-    assert stretch.observe(10, 10) and stretch.factor == 1
+    assert factors == [4, 2, 1, 1, 1]
+    assert changed == 6  # observe() says when the multiplier moved
     # Nothing that could keep a basis: no evidence, no change.
     assert not stretch.observe(0, 0)
     off = IntervalStretch(False)
@@ -60,14 +51,9 @@ def test_the_rule_doubles_below_the_low_share_and_halves_above_the_high_one() ->
         stretch.observe(10, 11)
 
 
-def test_a_stretched_interval_is_rounded_down_to_at_least_one_step() -> None:
-    assert [stretched(5, f) for f in (0.5, 1, 2, 4, 8)] == [2, 5, 10, 20, 40]
-    assert stretched(1, 0.5) == 1 and stretched(2, 0.5) == 1 and stretched(3, 0.5) == 1
-
-
 def test_a_saved_multiplier_is_checked_before_it_is_restored() -> None:
     stretch = IntervalStretch(True)
-    stretch.observe(4, 0)
+    stretch.observe(4, 4)
     stretch.observe(4, 4)
     again = IntervalStretch(True)
     again.load_state_dict(stretch.state_dict())
@@ -76,23 +62,21 @@ def test_a_saved_multiplier_is_checked_before_it_is_restored() -> None:
         ({"factor": 3}, ValueError),
         ({"factor": 16}, ValueError),
         ({"factor": 0}, ValueError),
-        ({"factor": 0.25}, ValueError),
         ({"factor": True}, TypeError),
         ({}, TypeError),
-        ({"factor": "2"}, TypeError),
-        ({"factor": 2, "started": 1}, TypeError),
+        ({"factor": 2.0}, TypeError),
+        ({"factor": 1, "started": 1}, TypeError),
     ):
         with pytest.raises(error, match="interval_stretch"):
             again.load_state_dict(bad)
-        assert again.factor == 2
-    # Half the intervals round-trips, and 2.0 is the 2 it stands for.
-    for saved, restored in ((0.5, 0.5), (2.0, 2)):
-        again.load_state_dict({"factor": saved, "started": True})
-        assert again.factor == restored and again.state_dict()["factor"] == restored
+        assert again.factor == 2 and again.started
     # A checkpoint from before 'started' was written past the first update.
     fresh = IntervalStretch(True)
     fresh.load_state_dict({"factor": 1})
-    assert fresh.started and fresh.observe(10, 0) and fresh.factor == 0.5
+    assert fresh.started and fresh.observe(4, 4) and fresh.factor == 2
+    unstarted = IntervalStretch(True)
+    unstarted.load_state_dict({"factor": 1, "started": False})
+    assert not unstarted.observe(4, 4) and unstarted.factor == 1
 
 
 def test_bases_that_stay_put_stretch_the_intervals_and_the_decay_follows() -> None:
@@ -121,38 +105,20 @@ def test_bases_that_stay_put_stretch_the_intervals_and_the_decay_follows() -> No
     assert "interval_stretch" in pre.state_dict()
 
 
-def test_bases_that_always_go_stale_halve_the_intervals_given() -> None:
-    # A zero tolerance decomposes every time. The first inverse update (step 0)
-    # holds no basis to keep; the second (step 2) finds every one stale and
-    # halves the intervals, 2 to 1, for good. That run is, bit for bit, the
-    # run without adaptive_intervals whose intervals are 2 before step 3 and 1
-    # from it (a fixed factor_decay: an automatic one would follow each).
-    fixed = {**OPTIONS, "factor_decay": 0.9}
-    model = _net()
-    pre = kaisa.KFACPreconditioner(
-        model, eigenbasis_tolerance=0.0, adaptive_intervals=True, **fixed
-    )
-    seen = []
-    for step in range(30):
-        _train(model, pre, range(step, step + 1))
-        hyper = pre.hyperparameters()
-        seen.append((pre.interval_stretch, hyper.factor_update_steps, hyper.inv_update_steps))
-    assert seen[:2] == [(1, 2, 2)] * 2 and seen[2:] == [(0.5, 1, 1)] * 28
-    assert pre.telemetry.interval_changes == 1 and pre.telemetry.kept_eigenbases == 0
-
-    def schedule(step: int) -> int:
-        return 2 if step < 3 else 1
-
-    plain_model = _net()
-    plain = kaisa.KFACPreconditioner(
-        plain_model,
-        eigenbasis_tolerance=0.0,
-        **{**fixed, "factor_update_steps": schedule, "inv_update_steps": schedule},
-    )
-    _train(plain_model, plain, range(30))
-    assert torch.equal(_weights(model), _weights(plain_model))
-    assert pre.telemetry.side_refreshes == plain.telemetry.side_refreshes
-    assert "interval_stretch" not in plain.state_dict()
+def test_bases_that_always_go_stale_leave_the_run_as_it_was() -> None:
+    # A zero tolerance decomposes every time: the multiplier stays 1 and the
+    # run is the one without adaptive_intervals, bit for bit.
+    runs = []
+    for adaptive in (True, False):
+        model = _net()
+        pre = kaisa.KFACPreconditioner(
+            model, eigenbasis_tolerance=0.0, adaptive_intervals=adaptive, **OPTIONS
+        )
+        _train(model, pre, range(30))
+        runs.append((_weights(model), pre))
+    assert runs[0][1].interval_stretch == 1 and runs[0][1].telemetry.interval_changes == 0
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert "interval_stretch" not in runs[1][1].state_dict()
 
 
 def test_a_resumed_run_continues_with_the_same_multiplier() -> None:
@@ -190,7 +156,7 @@ def test_a_bad_saved_multiplier_is_refused_and_changes_nothing() -> None:
     bad = copy.deepcopy(before)
     bad["interval_stretch"] = {"factor": 3}
     bad["steps"] = 1
-    with pytest.raises(ValueError, match=r"'interval_stretch' factor must be one of 0\.5, 1, 2"):
+    with pytest.raises(ValueError, match="'interval_stretch' factor must be a power of 2"):
         pre.load_state_dict(bad)
     after = pre.state_dict()
     assert after["steps"] == before["steps"]

@@ -155,7 +155,7 @@ class RunResult:
     kfac_choice: dict[str, Any] = field(default_factory=dict)
     #: With ``adaptive_intervals``: the intervals' multiplier at the end
     #: (``factor``) and how often it changed (``changes``); empty otherwise.
-    interval_stretch: dict[str, float] = field(default_factory=dict)
+    interval_stretch: dict[str, int] = field(default_factory=dict)
     #: What the run is measured by (a key of ``METRICS``): which evaluation
     #: value the target applies to and which way is better.
     metric: str = "accuracy"

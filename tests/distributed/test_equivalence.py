@@ -527,7 +527,7 @@ def train(config: Config, rank: int, world_size: int) -> list[torch.Tensor]:
 #: Per configuration run in this process: (bases kept, side refreshes) of its last run.
 KEPT: dict[Config, tuple[int, int]] = {}
 #: Per configuration run in this process: the intervals' multiplier after its last run.
-STRETCH: dict[Config, float] = {}
+STRETCH: dict[Config, int] = {}
 
 
 def _worker(rank: int, world_size: int, config_dicts: list[dict[str, object]]) -> list[object]:
