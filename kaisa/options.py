@@ -361,9 +361,10 @@ class KFACOptions:
             kept decomposed and halves after one at which more than 40% did
             (:mod:`kaisa.cadence`; the first such update, from the
             identity the sides start from, is not counted): curvature that
-            stays put is refreshed less often. Needs ``eigenbasis_tolerance`` and intervals that are
-            numbers or left to kaisa, not schedules. An automatic
-            ``factor_decay`` follows the stretched factor interval.
+            stays put is refreshed less often. Needs
+            ``eigenbasis_tolerance`` and intervals that are numbers or left
+            to kaisa, not schedules. An automatic ``factor_decay`` follows
+            the stretched factor interval.
         grafting: 'off', or 'layer': each layer's preconditioned gradient is
             rescaled to the raw gradient's Frobenius norm before KL clipping,
             so kaisa keeps the step size the optimizer behind it was tuned for
