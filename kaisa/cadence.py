@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kaisa.validation import check_count
+from kaisa.validation import check_count, check_flag
 
 __all__ = ["MAX_STRETCH", "STALE_HIGH", "STALE_LOW", "IntervalStretch"]
 
@@ -86,11 +86,6 @@ class IntervalStretch:
                 f"{MAX_STRETCH}]; got {factor}"
             )
         # (A checkpoint written before 'started' was saved past its first update.)
-        started = state.get("started", True)
-        if not isinstance(started, bool):
-            raise TypeError(
-                f"state_dict 'interval_stretch' started must be a bool; got "
-                f"{type(started).__name__}"
-            )
+        started = check_flag("state_dict 'interval_stretch' started", state.get("started", True))
         self.factor = factor
         self.started = started
