@@ -955,6 +955,27 @@ def test_summary_rows_over_workloads() -> None:
         assert f"{line}bfloat16 {word}." in summary_markdown(on_record)
 
 
+def test_summary_names_the_seed_whose_choice_it_shows() -> None:
+    # The choice shown is the first seed's run: with seeds 3-5 that is seed 3, not 0.
+    arms = {
+        "adamw": _arm_result(80.0, {3: 80.0}, seeds=1, seeds_reaching_target=1,
+                             steps_to_target=800, seconds_per_step=0.1,
+                             hyperparameters={"lr": 0.004}),
+        "kaisa-adamw": _arm_result(60.0, {3: 60.0}, seeds=1, seeds_reaching_target=1,
+                                   steps_to_target=500, seconds_per_step=0.12,
+                                   hyperparameters={"lr": 0.004}, kfac_share=0.3,
+                                   kfac_phase_seconds={"precondition": 2.0},
+                                   interval_stretch={"factor": 2, "changes": 3}),
+    }  # fmt: skip
+    doc = {"workload": "gap_cnn", "target_accuracy": 0.9, "arm_order": list(arms), "arms": arms,
+           "comparisons": compare_arms(arms), "provisional": False,
+           "shared": {"epochs": 3, "seeds": [3, 4, 5], "stop_at_target": True}}  # fmt: skip
+    text = summary_markdown(summarize_suite([doc]))
+    assert "kaisa's automatic curvature choice (seed 3):" in text
+    assert "(seed 0)" not in text
+    assert "intervals as given (adaptive_intervals: x2 at the end, 3 change(s))" in text
+
+
 # --- bad arms and workloads, SOAP without heavyball ------------------------------------
 
 

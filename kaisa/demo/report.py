@@ -419,7 +419,7 @@ def _phase_text(row: dict[str, Any]) -> str:
 
 
 def _choice_text(row: dict[str, Any]) -> str:
-    """kaisa's automatic choice (seed 0's), e.g. 'factors/inverses every 80/100; fc1 A kvec'.
+    """kaisa's automatic choice (the first seed's), e.g. 'factors/inverses every 80/100; ...'.
 
     With ``adaptive_intervals`` it says how far the intervals were stretched,
     with or without an automatic choice.
@@ -509,7 +509,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         ]
     choices = [(row, _choice_text(row)) for row in summary["rows"]]
     if any(text for _, text in choices):
-        lines += ["", "kaisa's automatic curvature choice (seed 0):", ""]
+        seeds = summary.get("seeds") or [0]
+        lines += ["", f"kaisa's automatic curvature choice (seed {seeds[0]}):", ""]
         lines += [
             f"- {row['workload']}, {_label(row['arm'])}: {text}" for row, text in choices if text
         ]
