@@ -1,9 +1,10 @@
 """What ``preconditioner.step()`` costs per step on the suite's models, phase by phase.
 
 For each model (the suite's workloads by default) the script builds it with
-kaisa's defaults in front of AdamW, trains ``--warmup`` steps on one fixed
-random batch of Fashion-MNIST's shape (so the automatic choice is made and
-the blocks hold real curvature), then, on one set of gradients:
+kaisa (its defaults, or ``--kfac``'s options) in front of AdamW, trains
+``--warmup`` steps on one fixed random batch of Fashion-MNIST's shape (so
+the automatic choice is made and the blocks hold real curvature), then, on
+one set of gradients:
 
 * ``precondition``: the preconditioning of every registered layer alone
   (the gradients restored before each call), median of ``--repeats`` calls;
@@ -20,6 +21,7 @@ Nothing is asserted.
 
     python benchmarks/precondition_cost.py
     python benchmarks/precondition_cost.py --models vit --repeats 400 --profile
+    python benchmarks/precondition_cost.py --kfac '{"eigenvalue_correction": "ekfac"}'
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import load_average
+from common import kfac_json, load_average
 
 import kaisa
 from kaisa.models import build_model
@@ -64,13 +66,19 @@ def _operator_calls(fn: Callable[[], None], restore: Callable[[], None]) -> list
     return sorted(((k, v) for k, v in counts.items() if v > 0), key=lambda kv: -kv[1])
 
 
-def measure(name: str, warmup: int, repeats: int, profile: bool = False) -> dict[str, Any]:
+def measure(
+    name: str,
+    warmup: int,
+    repeats: int,
+    profile: bool = False,
+    kfac: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     torch.manual_seed(0)
     x, y = torch.randn(BATCH, 1, 28, 28), torch.randint(0, 10, (BATCH,))
     models = {arm: build_model(name) for arm in ("adamw", "kaisa")}
     models["kaisa"].load_state_dict(models["adamw"].state_dict())
     optimizers = {arm: torch.optim.AdamW(m.parameters(), lr=1e-3) for arm, m in models.items()}
-    pre = kaisa.KFACPreconditioner(models["kaisa"], lr=1e-3)
+    pre = kaisa.KFACPreconditioner(models["kaisa"], lr=1e-3, **(kfac or {}))
 
     def train(arm: str) -> Callable[[], None]:
         def one() -> None:
@@ -105,9 +113,9 @@ def measure(name: str, warmup: int, repeats: int, profile: bool = False) -> dict
 
     def precondition_only() -> None:
         restore()
-        for layer in pre._layers:
-            layer.called = True
-        pre._precondition()
+        for layer in pre._roster:  # as if every layer ran this step
+            layer.captures.called = True
+        pre._precondition(pre.hyperparameters())
 
     def restore_only() -> None:
         restore()
@@ -131,6 +139,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200, help="timed calls per median")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="count operator calls")
+    parser.add_argument(
+        "--kfac", type=kfac_json, default=None, help="KFACPreconditioner options, as JSON"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"load before {load_average()}")
@@ -139,7 +150,7 @@ def main() -> None:
         f"{'+ kaisa step':>13} {'ratio':>6}"
     )
     for name in args.models.split(","):
-        r = measure(name, args.warmup, args.repeats, args.profile)
+        r = measure(name, args.warmup, args.repeats, args.profile, args.kfac)
         print(
             f"{name:<10} {r['layers']:>6.0f} {r['precondition_ms']:>10.2f} ms "
             f"{r['adamw_step_ms']:>8.2f} ms {r['kaisa_step_ms']:>10.2f} ms {r['ratio']:>6.3f}"
