@@ -31,8 +31,9 @@ Each weight is training multiply-adds per ms over that kind's multiply-adds
 (or ``n³``) per ms. The script prints the table, the implied
 :class:`~kaisa.curvature.costs.CostModel` next to
 :data:`~kaisa.curvature.costs.DEFAULT_COST_MODEL`, and with ``--json`` writes
-them (``"weights"`` holds the :class:`CostModel`'s fields). Pass the result
-to the choice::
+them (``"weights"`` holds the fields it measures; ``operator``, the weight
+of a model's operator calls, is fitted to the suite's clock instead and
+stays at its default). Pass the result to the choice::
 
     import json
     from kaisa.curvature.budget import choose_curvature
@@ -218,9 +219,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
     ms = {kind: median_ms(fn, sync, warmup, repeats) for kind, fn in calls.items()}
     speed = {kind: work[kind] / ms[kind] for kind in work}  # per ms
-    weights = {
-        field.name: speed["training"] / speed[field.name] for field in dataclasses.fields(CostModel)
-    }
+    # The weights of the kinds timed here; the others (``operator``: a model's operator
+    # calls, fitted to the suite's clock) are not speeds this script can measure.
+    timed = [f.name for f in dataclasses.fields(CostModel) if f.name in speed]
+    weights = {name: speed["training"] / speed[name] for name in timed}
     # The eigendecomposition per side size (equal sizes timed once).
     by_size = {}
     for factor in sides:
@@ -283,9 +285,13 @@ def main() -> None:
             for n, r in sorted(result["eigh_by_size"].items())
         )
     )
-    model = CostModel(**result["weights"])
+    model = CostModel(**result["weights"])  # the weights not measured here: the defaults
+    untimed = [name for name in dataclasses.asdict(model) if name not in result["weights"]]
     print(
-        "CostModel(" + ", ".join(f"{k}={v:.3g}" for k, v in dataclasses.asdict(model).items()) + ")"
+        "CostModel("
+        + ", ".join(f"{k}={v:.3g}" for k, v in dataclasses.asdict(model).items())
+        + ")"
+        + (f"; {', '.join(untimed)}: the default, not measured here" if untimed else "")
     )
     if args.json:
         write_json(
