@@ -152,7 +152,11 @@ def carry_scales(match: bool) -> None:
 
     def stashed(self: Any, which: Any, damping: float) -> bool:
         side = self.sides[which]
-        if self.eigen_scales is not None and self.eigen_scales.updates and side.state:
+        # Exact sides only: a diagonal side has no basis to carry through, and a
+        # low-rank side's S has a rest row or column that no rotation maps.
+        low_rank = any(isinstance(s, rep.LowRankSide) for s in self.sides.values())
+        exact = isinstance(side, rep.ExactSide) and not low_rank
+        if self.eigen_scales is not None and self.eigen_scales.updates and side.state and exact:
             old = getattr(self, "_old_bases", {})
             old[which] = side.work_state()[0].clone()
             self._old_bases = old
@@ -205,20 +209,22 @@ def token_scales() -> None:
     accumulate = capture.LayerCaptures.accumulate
     precondition = block.KroneckerBlock.precondition
 
-    def stashed(self: Any, which: str, x: torch.Tensor) -> None:
+    def stashed(self: Any, which: str, x: torch.Tensor, sampler: Any = None) -> None:
         if isinstance(self.handler, LinearHandler) and x.is_floating_point():
             r = x.reshape(-1, x.shape[-1]).float()
             if which == "a" and self.handler.has_bias:
                 r = torch.cat([r, r.new_ones(r.shape[0], 1)], dim=1)
             rows.setdefault(self.name, {})[which] = r
             linear.add(self.name)
-        accumulate(self, which, x)
+        accumulate(self, which, x, sampler)
 
     def solved(self: Any, grad: torch.Tensor, damping: float) -> torch.Tensor:
         es = self.eigen_scales
-        if es is None or self.name not in linear:
-            return precondition(self, grad, damping)  # the library's solve and fold
         a, g = self.sides["a"], self.sides["g"]
+        low_rank = isinstance(a, rep.LowRankSide) or isinstance(g, rep.LowRankSide)
+        if es is None or self.name not in linear or low_rank:
+            # The library's solve and fold (a low-rank side's S has a rest row or column).
+            return precondition(self, grad, damping)
         qa, qg = (
             side.work_state()[0] if isinstance(side, rep.ExactSide) else None for side in (a, g)
         )
@@ -248,11 +254,16 @@ def scale_power(power: float) -> None:
     divisor = ec.divisor
 
     def powered(
-        scales: torch.Tensor, damping: float, correction: Any, relative: bool, kron_mean: Any = 1.0
+        scales: torch.Tensor,
+        damping: float,
+        correction: Any,
+        relative: bool,
+        kron_mean: Any = 1.0,
+        shares: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if correction == "ekfac":
             scales = scales.clamp_min(0).pow(power)
-        return divisor(scales, damping, correction, relative, kron_mean)
+        return divisor(scales, damping, correction, relative, kron_mean, shares)
 
     ec.divisor = powered
 
