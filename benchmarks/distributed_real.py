@@ -6,7 +6,11 @@ default small sizes: d_model 64, 2 blocks, vocabulary 1000; random token
 sequences of length 64, local batch 16), at world sizes 2 and 4, for MEM-OPT
 (``grad_worker_fraction='mem-opt'``), HYBRID-OPT (0.5) and COMM-OPT (1.0),
 every rank trains a DDP-wrapped model with SGD and a
-``kaisa.KFACPreconditioner`` for a few steps on a short schedule (by default
+``kaisa.KFACPreconditioner`` holding the sides the cost model of spec §5
+and ``distributed_cost.py`` assume (each layer kind's own representation, an
+embedding's diagonal ``A``, every other side exact; the automatic choice's
+first step all-reduces provisional exact factors, which those counts do not
+model) for a few steps on a short schedule (by default
 factors every 2 steps, second-order state every 4, 13 steps: steps 0, 4, 8,
 12 update both, 2, 6, 10 the factors only, the odd steps neither). Reported
 per rank, as max and mean over the ranks:
@@ -81,6 +85,7 @@ from common import (
 from torch import nn
 
 import kaisa
+from kaisa.cli.shapes import module_layer_shapes
 from kaisa.distributed.cost import rank_memory, rank_traffic
 from kaisa.distributed.plan import WorkPlan
 from kaisa.models import build_model
@@ -166,6 +171,9 @@ def _run_config(
         inv_update_steps=settings["inv_every"],
         grad_worker_fraction=fraction,
         conv_factor_estimator=settings["conv_factor_estimator"],
+        # The representations the cost model assumes: each layer kind's own
+        # (an embedding's diagonal A), every other side exact.
+        curvature={s.name: (s.a_spec, s.g_spec) for s in module_layer_shapes(model)},
         **KFAC_OPTIONS,
     )
     telemetry = preconditioner.telemetry
