@@ -509,8 +509,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         ]
     choices = [(row, _choice_text(row)) for row in summary["rows"]]
     if any(text for _, text in choices):
-        seeds = summary.get("seeds") or [0]
-        lines += ["", f"kaisa's automatic curvature choice (seed {seeds[0]}):", ""]
+        # (Rows come from runs, so a summary with choices has at least one seed.)
+        lines += ["", f"kaisa's automatic curvature choice (seed {summary['seeds'][0]}):", ""]
         lines += [
             f"- {row['workload']}, {_label(row['arm'])}: {text}" for row, text in choices if text
         ]
