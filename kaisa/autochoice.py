@@ -113,9 +113,9 @@ class AutoChoice:
         #: The choice made (``None`` before it, or when nothing was left to it).
         self.choice: BudgetChoice | None = None
         # The decay alone needs no rows: it follows the (fixed) factor interval.
-        self.pending = bool(auto_options - {"factor_decay"}) or any(
-            side is None for sides in self.fixed.values() for side in sides
-        )
+        #: Whether any layer's side is left to the choice (not only intervals).
+        self.sides_left = any(side is None for sides in self.fixed.values() for side in sides)
+        self.pending = bool(auto_options - {"factor_decay"}) or self.sides_left
         # The clock calibration: the step that reopens the choice (None: none to
         # come), whether the next choice is the calibrated one, and the timed passes.
         self.calibrate_at: int | None = None

@@ -307,7 +307,8 @@ class KFACOptions:
             intervals that are schedules, it costs the intervals in force
             at that step: a schedule that refreshes often at first and
             rarely later gets the cheap sides of its first intervals (give
-            the sides, e.g. ``curvature='exact'``, with such a schedule).
+            the sides, e.g. ``curvature='exact'``, with such a schedule;
+            kaisa warns once when a choice of sides is costed on a schedule).
         calibrate_budget: measure the iteration on the clock and choose again
             (default ``False``: the choice is deterministic). The automatic
             choice always scales its allowance by the iteration's operator
@@ -541,11 +542,7 @@ class KFACOptions:
                     "at each inverse update; give eigenbasis_tolerance too (e.g. 0.05), or "
                     "leave adaptive_intervals=False"
                 )
-            scheduled = [
-                name
-                for name in ("factor_update_steps", "inv_update_steps")
-                if name not in self.auto and self.hyper[name].is_schedule
-            ]
+            scheduled = self.scheduled_intervals()
             if scheduled:
                 raise ValueError(
                     f"adaptive_intervals stretches fixed intervals, and {' and '.join(scheduled)} "
@@ -680,6 +677,14 @@ class KFACOptions:
             # Read by KL clipping only: without it, lr may be left out.
             lr=hyper["lr"].at(step) if "lr" in hyper else 0.0,
         )
+
+    def scheduled_intervals(self) -> list[str]:
+        """The intervals the user gave as schedules (callables or live tensors), by name."""
+        return [
+            name
+            for name in ("factor_update_steps", "inv_update_steps")
+            if name not in self.auto and self.hyper[name].is_schedule
+        ]
 
     def factor_interval(
         self, step: int, chosen: tuple[int, int] | None = None, stretch: int = 1

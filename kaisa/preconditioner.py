@@ -324,6 +324,25 @@ class KFACPreconditioner(StateDictOnly):
         self._roster.place(self.plan, self.rank)
         self._capturer.arm(self._is_factor_step(), self._steps)
 
+    def _report_scheduled_choice(self, hyper: StepHyper) -> None:
+        """Warn once when the automatic choice of sides costs intervals that are schedules.
+
+        The choice is made once, at the intervals in force at its step; a schedule
+        whose intervals grow later keeps sides chosen for its short ones.
+        """
+        scheduled = self.options.scheduled_intervals()
+        if not scheduled or not self._auto.sides_left or not self._watch.once("scheduled"):
+            return
+        values = ", ".join(f"{name}={getattr(hyper, name)}" for name in scheduled)
+        warn(
+            f"kaisa: the automatic choice of curvature was made at step {self._steps} for "
+            f"{values}, this step's value of a schedule; the sides it chose stay when the "
+            "schedule changes, so intervals that grow later run on sides cheaper than "
+            f"time_budget={self.options.time_budget:g} would allow them (and intervals that "
+            "shrink, on dearer ones). With such a schedule give the sides, e.g. "
+            "curvature='exact' or a curvature rule; curvature_choice shows what was chosen"
+        )
+
     def _report_uncorrected(self) -> None:
         """Warn once when the eigenvalue correction leaves layers out (never silently)."""
         message = self._roster.uncorrected_message()
@@ -511,6 +530,7 @@ class KFACPreconditioner(StateDictOnly):
                 self.comm,
             )
             self._apply_choice(choice)
+            self._report_scheduled_choice(hyper)
             # After the calibration, re-made blocks start from this step's
             # factors: every block decomposes now.
             self._force_inverse_update |= calibrating

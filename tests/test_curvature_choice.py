@@ -885,25 +885,36 @@ def test_a_low_rank_checkpoint_resumes_bit_identically() -> None:
             assert torch.equal(g, e), f"step {step}"
 
 
+def _schedule_choice(
+    intervals: object, **options: Any
+) -> tuple[dict[str, tuple[str, str]], list[str]]:
+    """The sides chosen on a small GPT at ``time_budget=2`` after one step, and the
+    messages of the warnings that step raised."""
+    from kaisa.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(d_model=64, n_layer=2, n_head=4, context=32)
+    pre = kaisa.KFACPreconditioner(
+        model, lr=0.01, time_budget=2.0,
+        **{"factor_update_steps": intervals, "inv_update_steps": intervals, **options},
+    )  # fmt: skip
+    idx = torch.randint(0, 256, (8, 33))
+    logits = model(idx[:, :-1])
+    F.cross_entropy(logits.reshape(-1, 256), idx[:, 1:].reshape(-1)).backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pre.step()
+    choice = pre.curvature_choice  # None when nothing was left to it
+    specs = {} if choice is None else dict(choice.specs)
+    return specs, [str(w.message) for w in caught]
+
+
 def test_a_schedule_of_intervals_is_costed_at_the_step_of_the_choice() -> None:
     """options.py's time_budget note: refreshing every step at first (a schedule)
     buys cheaper sides than every 5 steps throughout, at the same budget."""
-    from kaisa.models import GPT
 
     def specs(intervals: object) -> dict[str, tuple[str, str]]:
-        torch.manual_seed(0)
-        model = GPT(d_model=64, n_layer=2, n_head=4, context=32)
-        pre = kaisa.KFACPreconditioner(
-            model, lr=0.01, time_budget=2.0,
-            factor_update_steps=intervals, inv_update_steps=intervals,
-        )  # fmt: skip
-        idx = torch.randint(0, 256, (8, 33))
-        logits = model(idx[:, :-1])
-        F.cross_entropy(logits.reshape(-1, 256), idx[:, 1:].reshape(-1)).backward()
-        pre.step()
-        choice = pre.curvature_choice
-        assert choice is not None
-        return choice.specs
+        return _schedule_choice(intervals)[0]
 
     constant = specs(5)
     early = specs(lambda step: 1 if step < 100 else 5)
@@ -913,3 +924,24 @@ def test_a_schedule_of_intervals_is_costed_at_the_step_of_the_choice() -> None:
         for choice in (constant, early)
     ]
     assert exact[1] < exact[0], (constant, early)
+
+
+def test_a_choice_costed_on_a_schedule_says_so_once() -> None:
+    """The choice above is not made silently: one warning names the step, the
+    scheduled intervals' values there and the way out; none for numbers, and none
+    when no side is left to the choice."""
+    early = lambda step: 1 if step < 100 else 5  # noqa: E731
+    _, messages = _schedule_choice(early)
+    scheduled = [m for m in messages if "schedule" in m]
+    assert len(scheduled) == 1, messages
+    assert "made at step 0 for factor_update_steps=1, inv_update_steps=1" in scheduled[0]
+    assert "curvature='exact'" in scheduled[0] and "time_budget=2" in scheduled[0]
+    # Only the inverse interval a schedule: only it is named.
+    _, messages = _schedule_choice(5, inv_update_steps=early)
+    assert any("for inv_update_steps=1," in m for m in messages), messages
+    assert not any("factor_update_steps=5" in m and "schedule" in m for m in messages)
+    _, messages = _schedule_choice(5)
+    assert not any("schedule" in m for m in messages), messages
+    specs, messages = _schedule_choice(early, curvature="exact")
+    assert specs == {}  # no choice made
+    assert not any("schedule" in m for m in messages), messages
