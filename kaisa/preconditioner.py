@@ -334,10 +334,11 @@ class KFACPreconditioner(StateDictOnly):
         if not scheduled or not self._auto.sides_left or not self._watch.once("scheduled"):
             return
         values = ", ".join(f"{name}={getattr(hyper, name)}" for name in scheduled)
+        what = "value of a schedule" if len(scheduled) == 1 else "values of schedules"
         warn(
             f"kaisa: the automatic choice of curvature was made at step {self._steps} for "
-            f"{values}, this step's value of a schedule; the sides it chose stay when the "
-            "schedule changes, so intervals that grow later run on sides cheaper than "
+            f"{values}, this step's {what}; the sides it chose stay when the schedule "
+            "changes, so intervals that grow later run on sides cheaper than "
             f"time_budget={self.options.time_budget:g} would allow them (and intervals that "
             "shrink, on dearer ones). With such a schedule give the sides, e.g. "
             "curvature='exact' or a curvature rule; curvature_choice shows what was chosen"

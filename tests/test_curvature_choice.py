@@ -934,11 +934,14 @@ def test_a_choice_costed_on_a_schedule_says_so_once() -> None:
     _, messages = _schedule_choice(early)
     scheduled = [m for m in messages if "schedule" in m]
     assert len(scheduled) == 1, messages
-    assert "made at step 0 for factor_update_steps=1, inv_update_steps=1" in scheduled[0]
+    assert (
+        "made at step 0 for factor_update_steps=1, inv_update_steps=1, this step's values of "
+        "schedules;" in scheduled[0]
+    )
     assert "curvature='exact'" in scheduled[0] and "time_budget=2" in scheduled[0]
     # Only the inverse interval a schedule: only it is named.
     _, messages = _schedule_choice(5, inv_update_steps=early)
-    assert any("for inv_update_steps=1," in m for m in messages), messages
+    assert any("for inv_update_steps=1, this step's value of a schedule;" in m for m in messages)
     assert not any("factor_update_steps=5" in m and "schedule" in m for m in messages)
     _, messages = _schedule_choice(5)
     assert not any("schedule" in m for m in messages), messages
