@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import statistics
 import sys
 import time
@@ -172,8 +173,13 @@ def _run_config(
         grad_worker_fraction=fraction,
         conv_factor_estimator=settings["conv_factor_estimator"],
         # The representations the cost model assumes: each layer kind's own
-        # (an embedding's diagonal A), every other side exact.
-        curvature={s.name: (s.a_spec, s.g_spec) for s in module_layer_shapes(model)},
+        # (an embedding's diagonal A), every other side exact. (The keys are
+        # searched as patterns: each matches the bare model's name, escaped, at the end
+        # of the registered one, which DDP prefixes with 'module.'.)
+        curvature={
+            rf"(?:^|\.){re.escape(s.name)}$": (s.a_spec, s.g_spec)
+            for s in module_layer_shapes(model)
+        },
         **KFAC_OPTIONS,
     )
     telemetry = preconditioner.telemetry
