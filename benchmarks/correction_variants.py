@@ -260,10 +260,12 @@ def scale_power(power: float) -> None:
         relative: bool,
         kron_mean: Any = 1.0,
         shares: torch.Tensor | None = None,
+        mean: float | None = None,
     ) -> torch.Tensor:
         if correction == "ekfac":
             scales = scales.clamp_min(0).pow(power)
-        return divisor(scales, damping, correction, relative, kron_mean, shares)
+            mean = None  # (S's mean read on the host is not its power's)
+        return divisor(scales, damping, correction, relative, kron_mean, shares, mean)
 
     ec.divisor = powered
 

@@ -1,10 +1,11 @@
 """What ``preconditioner.step()`` costs per step on the suite's models, phase by phase.
 
-For each model (the suite's workloads by default) the script builds it with
-kaisa (its defaults, or ``--kfac``'s options) in front of AdamW, trains
-``--warmup`` steps on one fixed random batch of Fashion-MNIST's shape (so
-the automatic choice is made and the blocks hold real curvature), then, on
-one set of gradients:
+For each model (the suite's image workloads by default; ``gpt`` too) the
+script builds it with kaisa (its defaults, or ``--kfac``'s options) in front
+of AdamW, trains ``--warmup`` steps on one fixed random batch of
+Fashion-MNIST's shape (``gpt``: 16 windows of 64 bytes), so that the
+automatic choice is made and the blocks hold real curvature, then, on one
+set of gradients:
 
 * ``precondition``: the preconditioning of every registered layer alone
   (the gradients restored before each call), median of ``--repeats`` calls;
@@ -74,7 +75,14 @@ def measure(
     kfac: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     torch.manual_seed(0)
-    x, y = torch.randn(BATCH, 1, 28, 28), torch.randint(0, 10, (BATCH,))
+    if name == "gpt":  # the suite's batch: 16 windows of 64 bytes, a byte predicted per position
+        x, y = torch.randint(0, 256, (16, 64)), torch.randint(0, 256, (16, 64))
+    else:
+        x, y = torch.randn(BATCH, 1, 28, 28), torch.randint(0, 10, (BATCH,))
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
     models = {arm: build_model(name) for arm in ("adamw", "kaisa")}
     models["kaisa"].load_state_dict(models["adamw"].state_dict())
     optimizers = {arm: torch.optim.AdamW(m.parameters(), lr=1e-3) for arm, m in models.items()}
@@ -83,7 +91,7 @@ def measure(
     def train(arm: str) -> Callable[[], None]:
         def one() -> None:
             optimizers[arm].zero_grad()
-            F.cross_entropy(models[arm](x), y).backward()
+            loss(models[arm](x)).backward()
             if arm == "kaisa":
                 pre.step()
             optimizers[arm].step()
@@ -103,7 +111,7 @@ def measure(
 
     model = models["kaisa"]
     optimizers["kaisa"].zero_grad()
-    F.cross_entropy(model(x), y).backward()
+    loss(model(x)).backward()
     saved = {p: p.grad.clone() for p in model.parameters() if p.grad is not None}
 
     def restore() -> None:

@@ -58,6 +58,7 @@ same averaged gradient and so holds the same ``S``; nothing is sent.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +117,7 @@ def divisor(
     relative: bool,
     kron_mean: torch.Tensor | float = 1.0,
     shares: torch.Tensor | None = None,
+    mean: float | None = None,
 ) -> torch.Tensor:
     """What the rotated gradient is divided by, element-wise (a new tensor, never 0).
 
@@ -124,21 +126,36 @@ def divisor(
     ``'adam'``: ``(S + γ s̄)^½`` (module docstring). ``shares``: the share of
     the layer's coordinates each entry of ``S`` stands for (summing to 1; a
     low-rank side's rest stands for many, see :func:`scale_counts`), which
-    the mean weighs by; ``None``: an equal share each.
+    the mean weighs by; ``None``: an equal share each. ``mean``: that mean
+    already read on the host (:meth:`EigenScales.solve` on a CPU); ``None``:
+    computed here, without leaving the device.
     """
     tiny = torch.finfo(scales.dtype).tiny
-    mean = scales.mean() if shares is None else (scales * shares).sum()
+    m: torch.Tensor | float = (
+        mean if mean is not None else (scales.mean() if shares is None else (scales * shares).sum())
+    )
     if correction == "ekfac":
-        mu = torch.as_tensor(kron_mean, dtype=scales.dtype, device=scales.device)
         # (An all-zero S, a layer whose gradient was 0: Ŝ = 0 and P = 0, not 0/0.)
-        ratio = mu / mean.clamp_min(tiny)
+        ratio: torch.Tensor | float
+        if isinstance(m, float) and not isinstance(kron_mean, torch.Tensor):
+            ratio = kron_mean / max(m, tiny)  # on the host: no 0-d tensor operations
+        else:
+            mu = torch.as_tensor(kron_mean, dtype=scales.dtype, device=scales.device)
+            ratio = mu / torch.as_tensor(m, dtype=scales.dtype, device=scales.device).clamp_min(
+                tiny
+            )
         # (No tensor made from γ: on a GPU that would be a host copy per layer and step.)
         out = torch.mul(scales, ratio).add_(damping)
         return out if damping > tiny else out.clamp_min_(tiny)
     if correction == "adam":
-        shift = damping * mean if relative else damping
+        shift = damping * m if relative else damping
         return (scales + shift).clamp_min_(tiny).sqrt_()
     raise ValueError(f"no eigenvalue-corrected solve for {correction!r}")
+
+
+def _reads_on_host(t: torch.Tensor) -> bool:
+    """Whether reading a scalar of ``t`` costs no device sync (it lives in host memory)."""
+    return t.device.type == "cpu"
 
 
 def has_rest(basis: Basis) -> bool:
@@ -274,15 +291,17 @@ def corrected_solve(
     kron_mean: torch.Tensor | float = 1.0,
     *,
     rotated: torch.Tensor | None = None,
+    mean: float | None = None,
 ) -> torch.Tensor:
     """``P = Q_G [(Q_Gᵀ ∇ Q_A) ⊘ D] Q_Aᵀ`` for a ``(g, a)`` gradient, ``D`` = :func:`divisor`.
 
     ``None`` for a basis: the identity (a diagonal side). Computed in the
     bases' dtype (``S``'s when both are ``None``), returned in ``grad``'s.
     ``rotated``: ``Q_Gᵀ ∇ Q_A`` already computed (:func:`rotate_in`; divided in place).
+    ``mean``: ``mean(S)`` already read on the host (:func:`divisor`).
     """
     v = rotate_in(grad, qa, qg, _dtype(qa, qg, scales)) if rotated is None else rotated
-    v.div_(divisor(scales, damping, correction, relative, kron_mean))
+    v.div_(divisor(scales, damping, correction, relative, kron_mean, mean=mean))
     return rotate_out(v, qa, qg).to(grad.dtype)
 
 
@@ -344,18 +363,37 @@ class EigenScales:
         else:
             v = rotate_in(grad, qa, qg, dtype)
             folded = (self.scales * xi).addcmul_(v, v, value=1.0 - xi)
-        # An overflowed gradient must not poison S for the rest of the run (no
-        # host sync: S stays as it was when anything is not finite). One
-        # reduction tells: a NaN or inf entry makes the sum NaN or inf (so does
-        # a sum of finite entries past the dtype's range, which keeps S too).
-        finite = torch.isfinite(folded.sum())
-        torch.where(finite, folded, self.scales, out=self.scales)
+        # An overflowed gradient must not poison S for the rest of the run: S
+        # stays as it was when anything is not finite. One reduction tells: a
+        # NaN or inf entry makes the sum NaN or inf (so does a sum of finite
+        # entries past the dtype's range, which keeps S too).
+        total = folded.sum()
+        mean = None
+        if _reads_on_host(folded):
+            # On the host reading the sum costs nothing: a branch replaces the
+            # masked copy, and the sum gives the mean the divisor needs.
+            value = float(total)
+            if math.isfinite(value):
+                self.scales = folded
+                shares = self.shares
+                mean = value / folded.numel() if shares is None else float(folded.mul(shares).sum())
+        else:  # no host sync on an accelerator
+            torch.where(torch.isfinite(total), folded, self.scales, out=self.scales)
         self.updates += 1
         if partial is not None:
-            d = divisor(self.scales, damping, correction, relative, kron_mean, self.shares)
+            d = divisor(self.scales, damping, correction, relative, kron_mean, self.shares, mean)
             return partial_solve(partial, qa, qg, d).to(grad.dtype)
         return corrected_solve(
-            grad, qa, qg, self.scales, damping, correction, relative, kron_mean, rotated=v
+            grad,
+            qa,
+            qg,
+            self.scales,
+            damping,
+            correction,
+            relative,
+            kron_mean,
+            rotated=v,
+            mean=mean,
         )
 
     def nbytes(self) -> int:

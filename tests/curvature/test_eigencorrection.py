@@ -102,7 +102,9 @@ def test_ekfac_with_the_eigenvalue_products_is_the_exact_eigen_solve(batch_scale
 
 
 @pytest.mark.parametrize("correction", ["ekfac", "adam"])
-def test_the_running_average_of_squared_rotated_gradients(correction: str) -> None:
+def test_the_running_average_of_squared_rotated_gradients(
+    correction: str, scalar_reads: str
+) -> None:
     """The first step replaces, then an equal-weight mean, then the decay (first_batch rule)."""
     gen = torch.Generator().manual_seed(2)
     g, a = 3, 4
@@ -125,7 +127,7 @@ def test_the_running_average_of_squared_rotated_gradients(correction: str) -> No
 @pytest.mark.parametrize("entry", [float("inf"), float("-inf"), float("nan"), 1e200])
 @pytest.mark.parametrize("everywhere", [True, False])
 def test_a_non_finite_gradient_leaves_the_scales_as_they_were(
-    entry: float, everywhere: bool
+    entry: float, everywhere: bool, scalar_reads: str
 ) -> None:
     """Every entry bad, or one (1e200 squares past float64's range)."""
     gen = torch.Generator().manual_seed(3)
@@ -144,7 +146,9 @@ def test_a_non_finite_gradient_leaves_the_scales_as_they_were(
 
 @pytest.mark.parametrize("correction", ["ekfac", "adam"])
 @pytest.mark.parametrize("relative", [False, True])
-def test_a_zero_gradient_gives_a_zero_step_not_nan(correction: str, relative: bool) -> None:
+def test_a_zero_gradient_gives_a_zero_step_not_nan(
+    correction: str, relative: bool, scalar_reads: str
+) -> None:
     eye = torch.eye(2, dtype=D)
     scales = EigenScales.zeros(2, 2, torch.device("cpu"), D)
     out = scales.solve(torch.zeros(2, 2, dtype=D), eye, eye, 0.1, 0.9, correction, relative)

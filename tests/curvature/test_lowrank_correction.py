@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kaisa.curvature import eigencorrection
 from kaisa.curvature.block import KroneckerBlock, check_block_state
 from kaisa.curvature.eigencorrection import (
     EigenScales,
@@ -81,7 +82,7 @@ CASES = {
 @pytest.mark.parametrize("correction", ["ekfac", "adam"])
 @pytest.mark.parametrize("relative", [False, True])
 def test_the_partial_solve_is_the_dense_system_in_the_completed_bases(
-    case: str, correction: str, relative: bool
+    case: str, correction: str, relative: bool, scalar_reads: str
 ) -> None:
     gen = torch.Generator().manual_seed(11)
     g, a = 7, 5
@@ -111,6 +112,50 @@ def test_the_partial_solve_is_the_dense_system_in_the_completed_bases(
         div = (s_full + (damping * s_full.mean() if relative else damping)).sqrt()
     expected = full_g @ (v / div) @ full_a.t()
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", [*CASES, "both exact"])
+@pytest.mark.parametrize("correction", ["ekfac", "adam"])
+def test_both_ways_of_reading_the_scalars_fold_and_solve_alike(
+    case: str, correction: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CPU the solve reads the running sum on the host (a branch keeps ``S`` on a
+    bad step, the sum gives the mean); on an accelerator it never leaves the device.
+    Both give the same ``S``, the same steps and the same count, a NaN step included."""
+    k_g_spec, k_a_spec = CASES.get(case, (None, None))
+    g, a = 7, 5
+    runs = {}
+    for way in ("host", "device"):
+        with monkeypatch.context() as patch:
+            if way == "device":
+                patch.setattr(eigencorrection, "_reads_on_host", lambda t: False)
+            gen = torch.Generator().manual_seed(12)
+            qg = None if k_g_spec == "diagonal" else _basis(g, k_g_spec, gen)  # type: ignore[arg-type]
+            qa = None if k_a_spec == "diagonal" else _basis(a, k_a_spec, gen)  # type: ignore[arg-type]
+            scales = EigenScales.zeros(
+                g,
+                a,
+                torch.device("cpu"),
+                D,
+                g_rank=k_g_spec if isinstance(k_g_spec, int) else None,
+                a_rank=k_a_spec if isinstance(k_a_spec, int) else None,
+            )
+            steps, kept = [], []
+            for step in range(5):
+                grad = torch.randn(g, a, generator=gen, dtype=D)
+                if step == 2:
+                    grad[1, 1] = float("nan")
+                steps.append(scales.solve(grad, qa, qg, 0.05, 0.9, correction, True))
+                kept.append(scales.scales.clone())
+            runs[way] = (steps, kept, scales.updates)
+    (host_steps, host_kept, host_updates), (dev_steps, dev_kept, dev_updates) = runs.values()
+    assert host_updates == dev_updates == 5
+    assert torch.equal(host_kept[2], host_kept[1])  # the NaN step left S as it was
+    for host, dev in zip(host_kept, dev_kept, strict=True):
+        torch.testing.assert_close(host, dev, rtol=1e-12, atol=0)
+    for step, (host, dev) in enumerate(zip(host_steps, dev_steps, strict=True)):
+        assert host.isnan().any() == (step == 2)
+        torch.testing.assert_close(host, dev, rtol=1e-12, atol=1e-14, equal_nan=True)
 
 
 def test_the_rest_of_a_low_rank_side_is_one_entry_standing_for_its_directions() -> None:
