@@ -35,3 +35,10 @@ def test_measure_takes_options_and_counts_operator_calls(bench: ModuleType) -> N
     calls = dict(result["operator_calls"])
     assert any(name in calls for name in ("aten::mm", "aten::matmul"))
     assert "aten::addcmul_" in calls
+
+
+def test_measure_takes_the_language_model(bench: ModuleType) -> None:
+    """``gpt`` on its own batch (windows of bytes), not Fashion-MNIST's images."""
+    result = bench.measure("gpt", warmup=2, repeats=2)
+    assert result["layers"] == 15  # two embeddings, 3 blocks of 4 Linear layers, the head
+    assert result["precondition_ms"] > 0 and result["kaisa_step_ms"] > 0
