@@ -10,6 +10,7 @@ with like). A seed that did not reach the target counts as infinitely slow.
 Nothing is asserted; the runs should use distinct seeds. ::
 
     python benchmarks/pool_suites.py benchmarks/results/suite benchmarks/results/suite-seeds345
+    python benchmarks/pool_suites.py results/suite-s33 results/suite-s33-seeds345 --workloads vit
 """
 
 from __future__ import annotations
@@ -55,12 +56,23 @@ def pool(directories: list[Path], workload: str) -> dict[str, Any]:
     return out
 
 
+def common_workloads(directories: list[Path]) -> list[str]:
+    """The workloads with a ``<workload>/results.json`` in every one of ``directories``."""
+    held = [{p.parent.name for p in directory.glob("*/results.json")} for directory in directories]
+    return sorted(set.intersection(*held)) if held else []
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directories", nargs="+", type=Path, help="kaisa demo output dirs")
-    parser.add_argument("--workloads", default="gap_cnn,small_cnn,vit")
+    parser.add_argument(
+        "--workloads", default=None, help="comma-separated; default: those every directory has"
+    )
     args = parser.parse_args()
-    for workload in args.workloads.split(","):
+    workloads = args.workloads.split(",") if args.workloads else common_workloads(args.directories)
+    if not workloads:
+        parser.error("no workload has a results.json in every directory given")
+    for workload in workloads:
         pooled = pool(args.directories, workload)
         print(f"{workload} (best other arm: {pooled['best_other']})")
         for arm, row in pooled["arms"].items():
