@@ -10,7 +10,8 @@ with like). A seed that did not reach the target counts as infinitely slow.
 Nothing is asserted; the runs should use distinct seeds. ::
 
     python benchmarks/pool_suites.py benchmarks/results/suite benchmarks/results/suite-seeds345
-    python benchmarks/pool_suites.py results/suite-s33 results/suite-s33-seeds345 --workloads vit
+    python benchmarks/pool_suites.py benchmarks/results/suite-s33 \
+        benchmarks/results/suite-s33-seeds345 --workloads vit
 """
 
 from __future__ import annotations
