@@ -1,4 +1,4 @@
-"""What a refresh costs, with the library's code and with an earlier one, side by side.
+"""What a refresh costs, with session 26's finiteness checks and with session 25's, side by side.
 
 Every refresh of K-FAC's second-order state checks its factor (and an
 eigendecomposition its eigenvectors, an inverse its result) for NaN and
@@ -24,27 +24,17 @@ Session 26 also tried a low-rank refresh with one product with the factor
 instead of three (the Ritz step on the previous refresh's columns). That
 script, at d2f81c3, timed it too (3137 wide in rank 128: 25 ms against
 107); it cost SmallCNN steps on seeds no choice was made on and was
-reverted (benchmarks/README.md, "What a refresh costs").
-
-``--previous lowrank-refresh`` (``--part steps``) makes the ``previous`` arm
-session 33's low-rank refresh instead: every refresh of a low-rank side
-runs its subspace iteration, where the library keeps the held ``U`` while
-it holds under ``eigenbasis_tolerance`` (session 34). ``--kfac JSON``
-replaces the workload's configuration (the suite's, with the automatic
-choice: both arms choose alike, since the choice does not see kept bases). ::
+reverted (benchmarks/README.md, "What a refresh costs"). ::
 
     python benchmarks/refresh_cost.py --threads 2 --part sides [--device cuda]
     python benchmarks/refresh_cost.py --threads 2 --part steps --workload small_cnn
     python benchmarks/refresh_cost.py --threads 2 --part steps --workload gpt
-    python benchmarks/refresh_cost.py --threads 2 --part steps --workload gpt \
-        --previous lowrank-refresh --kfac '{"factor_update_steps": 5, ...}'
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -109,28 +99,6 @@ def entrywise_checks() -> Iterator[None]:
             m.all_finite = check  # type: ignore[assignment]
 
 
-@contextlib.contextmanager
-def lowrank_refreshes() -> Iterator[None]:
-    """Session 33's low-rank refresh inside the block: a held ``U`` is never kept."""
-    saved = LowRankSide._kept_state
-
-    def never(self: LowRankSide, *args: object) -> None:
-        return None
-
-    LowRankSide._kept_state = never  # type: ignore[method-assign,assignment]
-    try:
-        yield
-    finally:
-        LowRankSide._kept_state = saved  # type: ignore[method-assign]
-
-
-#: What ``--previous`` patches into the ``previous`` arm.
-PREVIOUS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
-    "finite-checks": entrywise_checks,
-    "lowrank-refresh": lowrank_refreshes,
-}
-
-
 def _median_ms(
     f: Callable[[], object], repeats: int, warmup: int, device: torch.device | None = None
 ) -> float:
@@ -189,12 +157,9 @@ def part_sides(
 
 
 class StepArm:
-    """One copy of the workload's model with AdamW and kaisa; ``previous``: the earlier code
-    (a :data:`PREVIOUS` name) in force while it builds and steps, ``None`` for the library."""
+    """One copy of the workload's model with AdamW and kaisa; ``previous``: session 25's checks."""
 
-    def __init__(
-        self, name: str, workload: str, kfac: dict[str, Any], previous: str | None
-    ) -> None:
+    def __init__(self, name: str, workload: str, kfac: dict[str, Any], previous: bool) -> None:
         from kaisa.demo.train import build_demo_model
 
         torch.manual_seed(0)
@@ -210,7 +175,7 @@ class StepArm:
         self.refresh_ms: list[float] = []
 
     def patched(self) -> contextlib.AbstractContextManager[None]:
-        return PREVIOUS[self.previous]() if self.previous else contextlib.nullcontext()
+        return entrywise_checks() if self.previous else contextlib.nullcontext()
 
     def steps(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """Train on ``batches``: ms per step, and the refresh's ms per step."""
@@ -231,14 +196,7 @@ class StepArm:
         return 1e3 * total / len(batches), 1e3 * refresh / len(batches)
 
 
-def part_steps(
-    workload: str,
-    rounds: int,
-    steps: int,
-    warmup: int,
-    previous: str = "finite-checks",
-    kfac: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+def part_steps(workload: str, rounds: int, steps: int, warmup: int) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(0)
     if workload == "gpt":
         from kaisa.demo.text import load_text_corpus
@@ -256,11 +214,8 @@ def part_steps(
             index = torch.randint(0, data.train_x.shape[0], (128,), generator=generator)
             return data.train_x[index], data.train_y[index]
 
-    kfac = CONFIGS[workload] if kfac is None else kfac
-    arms = [
-        StepArm("library", workload, kfac, None),
-        StepArm("previous", workload, kfac, previous),
-    ]
+    kfac = CONFIGS[workload]
+    arms = [StepArm("library", workload, kfac, False), StepArm("previous", workload, kfac, True)]
     warm = [batch() for _ in range(warmup)]
     for arm in arms:
         arm.steps(warm)
@@ -272,12 +227,9 @@ def part_steps(
                 arm.ms.append(ms)
                 arm.refresh_ms.append(refresh)
     library, previous = arms
-    kept = {arm.name: arm.pre.telemetry.kept_eigenbases for arm in arms}
     return {
         "workload": workload,
-        "previous": previous,
         "kfac": kfac,
-        "kept_eigenbases": kept,
         "rounds": rounds,
         "steps": steps,
         "arms": {
@@ -306,15 +258,6 @@ def main() -> None:
         help="--part sides: n:rank pairs, comma-separated",
     )
     p.add_argument("--workload", choices=sorted(CONFIGS), default="small_cnn")
-    p.add_argument(
-        "--previous",
-        choices=sorted(PREVIOUS),
-        default="finite-checks",
-        help="--part steps: what the previous arm runs (module docstring)",
-    )
-    p.add_argument(
-        "--kfac", default=None, help="--part steps: JSON options replacing the workload's"
-    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="--part sides: cpu, cuda or cuda:K")
     p.add_argument("--repeats", type=int, default=15)
@@ -361,10 +304,7 @@ def main() -> None:
         result.update(rows=rows, load=load.as_dict())
         print(load.describe())
     else:
-        kfac = json.loads(args.kfac) if args.kfac is not None else None
-        result.update(
-            part_steps(args.workload, args.rounds, args.steps, args.warmup, args.previous, kfac)
-        )
+        result.update(part_steps(args.workload, args.rounds, args.steps, args.warmup))
         print(
             format_table(
                 ["arm", "ms per step", "refresh ms per step"],
@@ -375,10 +315,7 @@ def main() -> None:
                 title=f"{args.workload}: medians of {args.rounds} rounds of {args.steps} steps",
             )
         )
-        print(
-            f"library / previous step: {result['step_ratio']:.3f} ({args.previous}); "
-            f"kept eigenbases {result['kept_eigenbases']}; {result['load_text']}"
-        )
+        print(f"library / previous step: {result['step_ratio']:.3f}; {result['load_text']}")
     result["machine"] = machine_info()
     if args.json:
         write_json(args.json, result)

@@ -346,12 +346,6 @@ class KFACOptions:
             stale rather than on a clock; give it with ``inv_update_steps``
             equal to ``factor_update_steps``, so that any factor update can
             refresh them. Tied weights' shared bases follow the same rule.
-            A low-rank side keeps its top-``k`` basis ``U`` by the same
-            measure on ``FU``, which also counts what ``F`` moves out of
-            ``U``'s span, and while no kept value is below the rest's mean
-            (:class:`~kaisa.curvature.representations.LowRankSide`): the
-            check reuses its refresh's first product, and a kept refresh
-            skips the rest. ``adaptive_intervals`` counts exact sides only.
             Refused with ``compute_method='inverse'`` and every side exact
             (no eigenbasis is held then).
             ``telemetry.kept_eigenbases`` counts the decompositions saved. On

@@ -74,8 +74,7 @@ class Telemetry:
             (one per side owned, at each inverse-update step; failed ones too).
         kept_eigenbases: of those, refreshes that kept the held eigenbasis and
             refreshed only the eigenvalues (``eigenbasis_tolerance``): each one
-            a decomposition saved (an exact side's, or a low-rank side's
-            subspace iteration).
+            a decomposition saved.
         interval_changes: changes of the intervals' multiplier
             (``adaptive_intervals``; the multiplier in force is
             ``KFACPreconditioner.interval_stretch``).

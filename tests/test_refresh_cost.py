@@ -78,33 +78,3 @@ def test_part_sides_times_both_ways(bench: ModuleType) -> None:
     for key in ("check_sum_ms", "check_entrywise_ms", "refresh_library_ms", "refresh_previous_ms"):
         assert row[key] > 0.0
     assert row["refresh_ratio"] == row["refresh_library_ms"] / row["refresh_previous_ms"]
-
-
-def test_previous_lowrank_refreshes_never_keep_and_only_inside_their_block(
-    bench: ModuleType,
-) -> None:
-    n, k = 30, 4
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(60, n, dtype=D, generator=g)
-    factor = x.T @ x / 60
-    kept, previous, plain = _side(n, k), _side(n, k), _side(n, k)
-    for side in (kept, previous):
-        side.basis_tolerance = 0.5  # loose: a refresh of the same factor keeps
-    for side in (kept, previous, plain):
-        side.factor.copy_(factor)
-    saved = LowRankSide._kept_state
-    for _ in range(3):
-        kept.refresh(0.1)
-        plain.refresh(0.1)
-        with bench.lowrank_refreshes():
-            assert LowRankSide._kept_state is not saved
-            previous.refresh(0.1)
-        assert LowRankSide._kept_state is saved
-        assert not previous.basis_kept
-    assert kept.basis_kept  # the library keeps where the previous arm refreshes
-    for a, b in zip(previous.state, plain.state, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match="inside"), bench.lowrank_refreshes():
-        raise RuntimeError("inside")
-    assert LowRankSide._kept_state is saved
-    assert set(bench.PREVIOUS) == {"finite-checks", "lowrank-refresh"}

@@ -329,10 +329,10 @@ class KroneckerBlock:
         return True
 
     def basis_kept(self, which: Factor) -> bool:
-        """Whether side ``which``'s last refresh kept its held eigenbasis (an exact side's
-        ``Q`` or a low-rank side's ``U``; ``eigenbasis_tolerance``)."""
+        """Whether side ``which``'s last refresh kept its held eigenbasis
+        (``eigenbasis_tolerance``)."""
         side = self.sides[which]
-        return isinstance(side, (ExactSide, LowRankSide)) and side.basis_kept
+        return isinstance(side, ExactSide) and side.basis_kept
 
     def can_keep_basis(self, which: Factor) -> bool:
         """Whether a refresh of side ``which`` may keep its eigenbasis: exact, eigen

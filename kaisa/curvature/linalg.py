@@ -63,33 +63,19 @@ def held_basis(
     ``‖M − diag(M)‖_F / ‖M‖_F`` (in ``[0, 1]``; 0 for an eigenbasis of ``F``),
     is at most ``tolerance``. The diagonal (Rayleigh quotients, at least 0 for a
     positive semi-definite ``F``) then stands for the eigenvalues: the best
-    values in that basis. One ``n × n`` product decides (a decomposition costs
-    many), in at least float32, with one host sync (:func:`basis_holds`): the
+    values in that basis. For an orthogonal ``Q`` both norms are those of
+    ``FQ`` and of ``FQ − Q diag(M)``, so one ``n × n`` product decides (a
+    decomposition costs many), in at least float32, with one host sync: the
     check that lets a refresh keep its basis (``eigenbasis_tolerance``).
     """
     dtype = compute_dtype(factor.dtype)
-    diagonal = basis_holds(factor.to(dtype) @ basis.to(dtype), basis.to(dtype), tolerance)
-    return None if diagonal is None else (basis, diagonal)
-
-
-def basis_holds(
-    product: torch.Tensor, basis: torch.Tensor, tolerance: float
-) -> torch.Tensor | None:
-    """``diag(QᵀFQ)`` (clamped at 0) when ``Q`` still diagonalises ``F`` on its span; else ``None``.
-
-    ``product`` is ``FQ`` for orthonormal columns ``Q`` (``n × k``, ``k ≤ n``)
-    in the same dtype. ``Q`` holds when ``‖FQ − Q diag(QᵀFQ)‖_F ≤ tolerance ·
-    ‖FQ‖_F``. For a square ``Q`` that is :func:`held_basis`'s off-diagonal share
-    of ``QᵀFQ`` (``‖FQ‖_F = ‖QᵀFQ‖_F``). For ``k < n`` the left side also holds
-    ``(I − QQᵀ)FQ``, what ``F`` moves out of ``Q``'s span, so ``Q``'s span must
-    still be (nearly) invariant under ``F`` as well as diagonalised
-    (a low-rank side's kept basis, :class:`~kaisa.curvature.representations.LowRankSide`).
-    """
-    diagonal = (basis * product).sum(dim=0)
-    off = (product - basis * diagonal).norm()
-    if not bool(off <= tolerance * product.norm()):
+    q = basis.to(dtype)
+    fq = factor.to(dtype) @ q
+    diagonal = (q * fq).sum(dim=0)
+    off = (fq - q * diagonal).norm()
+    if not bool(off <= tolerance * fq.norm()):
         return None
-    return diagonal.clamp_min(0)
+    return basis, diagonal.clamp_min(0)
 
 
 def damped_inverse(factor: torch.Tensor, damping: float, out_dtype: torch.dtype) -> torch.Tensor:

@@ -79,7 +79,6 @@ __all__ = [
 from kaisa.curvature.linalg import (
     DecompositionError,
     all_finite,
-    basis_holds,
     compute_dtype,
     damped_inverse,
     fold_running_average,
@@ -427,38 +426,17 @@ class LowRankSide(Side):
     resumed run refreshes bit-identically), then a Rayleigh–Ritz step; ``σ``
     is ``(trace(F) − Σλ) / (n − k)`` (0 at ``k = n``, where this is the exact
     eigen method).
-
-    ``basis_tolerance`` (``eigenbasis_tolerance``): a warm refresh first reads
-    its first product ``FW`` on the held ``U`` (``W``'s first ``k`` columns)
-    and keeps ``U`` while it still diagonalises ``F`` on a span ``F`` leaves
-    (nearly) in place (:func:`~kaisa.curvature.linalg.basis_holds`) and no
-    kept value falls below the rest's mean ``σ`` (which a true top ``k`` never
-    does). Then only ``λ = diag(UᵀFU)`` and ``σ`` are refreshed: the check
-    costs no product of its own, and a kept refresh saves the QR
-    factorisations, the Rayleigh–Ritz step and the other products.
     """
 
     kind = "lowrank"
     capture = "gram"
     state_powers = (0.0, 1.0, 1.0)  # U, λ, σ
 
-    def __init__(
-        self,
-        name: str,
-        size: int,
-        *,
-        rank: int,
-        basis_tolerance: float | None = None,
-        **kw: object,
-    ) -> None:
+    def __init__(self, name: str, size: int, *, rank: int, **kw: object) -> None:
         super().__init__(name, size, **kw)  # type: ignore[arg-type]
         SideSpec("lowrank", rank).check_size(size, f"layer side {name!r}")
         self.rank = rank
         self.warm_basis: torch.Tensor | None = None  # the oversampled basis, for warm starts
-        #: ``eigenbasis_tolerance``: a warm refresh keeps ``U`` while it holds (class doc).
-        self.basis_tolerance = basis_tolerance
-        #: Whether the last refresh kept the held ``U`` (``λ`` and ``σ`` only refreshed).
-        self.basis_kept = False
 
     @property
     def spec(self) -> SideSpec:
@@ -477,23 +455,14 @@ class LowRankSide(Side):
         dtype = compute_dtype(self.factor.dtype)
         factor = self.factor.to(dtype)
         width = min(n, k + OVERSAMPLING)
-        self.basis_kept = False
         basis = self.warm_basis
-        warm = basis is not None and basis.shape == (n, width) and basis.dtype == dtype
-        if basis is None or not warm:
+        if basis is None or basis.shape != (n, width) or basis.dtype != dtype:
             generator = torch.Generator(device="cpu").manual_seed(_seed_for(n, width))
             basis = torch.randn(n, width, generator=generator, dtype=dtype).to(factor.device)
             basis = torch.linalg.qr(basis).Q
-        trace = factor.diagonal().sum()
         try:
-            for step in range(SUBSPACE_ITERATIONS):
-                product = factor @ basis
-                if step == 0 and warm and self.basis_tolerance is not None:
-                    kept = self._kept_state(basis[:, :k], product[:, :k], trace)
-                    if kept is not None:
-                        self.basis_kept = True
-                        return kept
-                basis = torch.linalg.qr(product).Q
+            for _ in range(SUBSPACE_ITERATIONS):
+                basis = torch.linalg.qr(factor @ basis).Q
             projected = basis.t() @ factor @ basis
             values, vectors = torch.linalg.eigh((projected + projected.t()) / 2)
         except RuntimeError as error:
@@ -505,32 +474,12 @@ class LowRankSide(Side):
         self.warm_basis = basis @ vectors  # the Ritz vectors: the best warm start
         u = self.warm_basis[:, :k]
         top = values[:k].clamp(min=0.0)
-        return self._state(u, top, self._rest_mean(trace, top))
-
-    def _rest_mean(self, trace: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-        """``σ = (trace(F) − Σλ) / (n − k)``, at least 0 (0 at ``k = n``)."""
-        rest = self.size - self.rank
+        rest = n - k
+        trace = factor.diagonal().sum()
         sigma = ((trace - top.sum()) / rest).clamp(min=0.0) if rest else trace.new_zeros(())
         if not bool(torch.isfinite(sigma)):
             raise DecompositionError("low-rank refresh: the rest of the spectrum is not finite")
-        return sigma
-
-    def _state(self, u: torch.Tensor, top: torch.Tensor, sigma: torch.Tensor) -> list[torch.Tensor]:
         return [u.to(self.inv_dtype), top.to(self.inv_dtype), sigma.reshape(1).to(self.inv_dtype)]
-
-    def _kept_state(
-        self, u: torch.Tensor, product: torch.Tensor, trace: torch.Tensor
-    ) -> list[torch.Tensor] | None:
-        """The state with the held ``u`` kept (``product = F u``), or ``None`` to refresh."""
-        assert self.basis_tolerance is not None
-        top = basis_holds(product, u, self.basis_tolerance)
-        if top is None or not all_finite(top):
-            return None
-        sigma = self._rest_mean(trace, top)
-        # A kept value below the rest's mean: U no longer spans F's top k.
-        if bool(top.min() < sigma):
-            return None
-        return self._state(u, top, sigma)
 
     def mean_eigenvalue(self) -> torch.Tensor:
         _, values, sigma = self.work_state()
@@ -638,8 +587,8 @@ def make_side(
     relative: bool,
     basis_tolerance: float | None = None,
 ) -> Side:
-    """The :class:`Side` for ``spec`` (``method`` matters to ``'exact'`` only,
-    ``basis_tolerance`` to ``'exact'`` and ``'lowrank'``)."""
+    """The :class:`Side` for ``spec`` (``method`` and ``basis_tolerance`` matter to
+    ``'exact'`` only)."""
     kw: dict[str, object] = {
         "device": device,
         "factor_dtype": factor_dtype,
@@ -650,7 +599,7 @@ def make_side(
         return ExactSide(name, size, method=method, basis_tolerance=basis_tolerance, **kw)
     if spec.kind == "lowrank":
         assert spec.rank is not None
-        return LowRankSide(name, size, rank=spec.rank, basis_tolerance=basis_tolerance, **kw)
+        return LowRankSide(name, size, rank=spec.rank, **kw)
     if spec.kind == "kvec":
         return KroneckerVectorSide(name, size, **kw)  # type: ignore[arg-type]
     return DiagonalSide(name, size, **kw)  # type: ignore[arg-type]
