@@ -34,6 +34,7 @@ __all__ = [
     "environment_for_threads",
     "format_bytes",
     "format_table",
+    "library_commit",
     "load_average",
     "machine_info",
     "parse_key_values",
@@ -117,6 +118,33 @@ def machine_info() -> dict[str, Any]:
 
         info.update(cpu_features())
     return info
+
+
+def library_commit(package: str | os.PathLike[str] | None = None) -> str | None:
+    """The commit of the repository holding ``package`` (default: the imported ``kaisa``).
+
+    Short hash, with ``-dirty`` when the package's files differ from it (a
+    probe of an uncommitted change); ``None`` outside a git checkout or
+    without git. Benchmark rows record it, so that a result names the code
+    it measured.
+    """
+    if package is None:
+        import kaisa
+
+        package = Path(kaisa.__file__).parent
+    where = Path(package)
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(where), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout.strip()  # fmt: skip
+        changed = subprocess.run(
+            ["git", "-C", str(where), "status", "--porcelain", "--", "."],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}-dirty" if changed else head
 
 
 def _cpu_model() -> str:

@@ -13,7 +13,9 @@ steps to the target do not depend on the machine's load (except through the
 budget's clock calibration, whose steps are powers of √2), so two probes may
 run side by side with one thread each. Nothing is asserted. Results, with
 the automatic choice's intervals, clock scale and representations where
-there is one, are printed and appended as JSON lines to ``--out``.
+there is one, and the commit of the kaisa that ran (``library``; ``-dirty``
+when its files differ from it), are printed and appended as JSON lines to
+``--out``.
 
 ``--lr`` defaults to the demo's own learning rate for the workload and arm
 (the sweep file's, else the fallback table's; the row's ``lr_source`` says
@@ -53,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import kfac_json
+from common import kfac_json, library_commit
 
 import kaisa
 from kaisa.demo import train as demo_train
@@ -281,6 +283,7 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
         arm = config.arms[0]
         data = load_dataset(config.dataset, config.data_dir)
         args.out.parent.mkdir(parents=True, exist_ok=True)
+        library = library_commit()
         for seed in (int(s) for s in args.seeds.split(",")):
             start = time.time()
             result = demo_train.train_arm(data, config, arm, seed, stop_at_target=True)
@@ -303,6 +306,7 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
                 # The training clock (no evaluation), and kaisa's share of it.
                 "train_s": round(result.train_seconds, 2),
                 "kfac_s": round(result.kfac_seconds, 2),
+                "library": library,  # the commit of the kaisa that ran
             }
             if marker is not None:
                 row[marker[0]] = marker[1]

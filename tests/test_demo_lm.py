@@ -461,6 +461,7 @@ def test_steps_probe_runs_any_arm_on_the_language_model(
     assert all(len(pair) == 2 and all(SideSpec.parse(s) for s in pair) for pair in specs.values())
     for r in rows:  # the training clock (wall_s is rounded to 0.1 s), kaisa's share of it
         assert 0 < r["train_s"] <= r["wall_s"] + 0.1
+        assert r["library"] is not None and r["library"].split("-")[0].isalnum()  # its commit
     assert rows[0]["kfac_s"] == 0.0 and 0 < rows[1]["kfac_s"] < rows[1]["train_s"]
     assert "side_refreshes" not in rows[1]
     # With eigenbasis_tolerance the row counts the refreshes and the bases kept
