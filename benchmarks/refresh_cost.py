@@ -15,10 +15,11 @@ or, with ``--device cuda``, on a GPU (synchronised around each call).
 the same batches, in lockstep (blocks of ``--steps`` steps, the order
 alternating every round): arm ``library``, and arm ``previous`` with the
 entrywise checks patched in while it steps. The curvature is given
-explicitly (session 24's choice for the workload), so both arms hold the
-same sides. Reported: the median over rounds of each arm's ms per step, of
-its refresh (``decomposition``) ms per step, and their ratios, with the
-load before and after. Nothing is asserted.
+explicitly (session 24's choice for the workload, or ``--kfac``'s
+options), so both arms hold the same sides. Reported: the median over
+rounds of each arm's ms per step, of its refresh (``decomposition``) ms
+per step, and their ratios, with the load before and after. Nothing is
+asserted.
 
 Session 26 also tried a low-rank refresh with one product with the factor
 instead of three (the Ritz step on the previous refresh's columns). That
@@ -29,6 +30,7 @@ reverted (benchmarks/README.md, "What a refresh costs"). ::
     python benchmarks/refresh_cost.py --threads 2 --part sides [--device cuda]
     python benchmarks/refresh_cost.py --threads 2 --part steps --workload small_cnn
     python benchmarks/refresh_cost.py --threads 2 --part steps --workload gpt
+    python benchmarks/refresh_cost.py --threads 2 --part steps --workload gpt --kfac JSON
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from common import (
     LoadRecord,
     add_json_option,
     format_table,
+    kfac_json,
     machine_info,
     set_threads,
     time_repeated,
@@ -196,7 +199,9 @@ class StepArm:
         return 1e3 * total / len(batches), 1e3 * refresh / len(batches)
 
 
-def part_steps(workload: str, rounds: int, steps: int, warmup: int) -> dict[str, Any]:
+def part_steps(
+    workload: str, rounds: int, steps: int, warmup: int, kfac: dict[str, Any] | None = None
+) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(0)
     if workload == "gpt":
         from kaisa.demo.text import load_text_corpus
@@ -214,7 +219,7 @@ def part_steps(workload: str, rounds: int, steps: int, warmup: int) -> dict[str,
             index = torch.randint(0, data.train_x.shape[0], (128,), generator=generator)
             return data.train_x[index], data.train_y[index]
 
-    kfac = CONFIGS[workload]
+    kfac = CONFIGS[workload] if kfac is None else kfac
     arms = [StepArm("library", workload, kfac, False), StepArm("previous", workload, kfac, True)]
     warm = [batch() for _ in range(warmup)]
     for arm in arms:
@@ -264,6 +269,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument(
+        "--kfac",
+        type=kfac_json,
+        default=None,
+        help="--part steps: KFACPreconditioner options (JSON) instead of the workload's "
+        "session-24 configuration (CONFIGS)",
+    )
     add_json_option(p, Path(__file__).parent / "results" / "refresh_cost.json")
     args = p.parse_args()
     set_threads(args.threads)
@@ -304,7 +316,7 @@ def main() -> None:
         result.update(rows=rows, load=load.as_dict())
         print(load.describe())
     else:
-        result.update(part_steps(args.workload, args.rounds, args.steps, args.warmup))
+        result.update(part_steps(args.workload, args.rounds, args.steps, args.warmup, args.kfac))
         print(
             format_table(
                 ["arm", "ms per step", "refresh ms per step"],

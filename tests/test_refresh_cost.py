@@ -78,3 +78,38 @@ def test_part_sides_times_both_ways(bench: ModuleType) -> None:
     for key in ("check_sum_ms", "check_entrywise_ms", "refresh_library_ms", "refresh_previous_ms"):
         assert row[key] > 0.0
     assert row["refresh_ratio"] == row["refresh_library_ms"] / row["refresh_previous_ms"]
+
+
+def test_part_steps_runs_the_options_it_is_given(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import types
+
+    import kaisa.demo.data as demo_data
+
+    g = torch.Generator().manual_seed(0)
+    images = types.SimpleNamespace(
+        train_x=torch.randn(256, 1, 28, 28, generator=g), train_y=torch.randint(0, 10, (256,))
+    )
+    monkeypatch.setattr(demo_data, "load_fashion_mnist", lambda: images)
+    made: list[dict[str, object]] = []
+    real = bench.kaisa.KFACPreconditioner
+
+    def recording(model: object, **kw: object) -> object:
+        made.append(kw)
+        return real(model, **kw)
+
+    monkeypatch.setattr(bench.kaisa, "KFACPreconditioner", recording)
+    given = {
+        "curvature": {r"classifier\.1$": ["diagonal", "exact"], ".*": "exact"},
+        "factor_update_steps": 1,
+        "inv_update_steps": 1,
+    }
+    result = bench.part_steps("small_cnn", rounds=1, steps=1, warmup=1, kfac=given)
+    assert result["kfac"] == given and len(made) == 2  # both arms, the options given
+    assert all({k: kw[k] for k in given} == given for kw in made)
+    assert all(arm["ms_per_step"] > 0 for arm in result["arms"].values())
+    made.clear()
+    assert bench.part_steps("small_cnn", 1, 1, 1)["kfac"] == bench.CONFIGS["small_cnn"]
+    assert all({k: kw[k] for k in bench.CONFIGS["small_cnn"]} == bench.CONFIGS["small_cnn"]
+               for kw in made)  # fmt: skip
