@@ -3,7 +3,9 @@
 On `gpt` (the suite's configuration of kaisa, its automatic choice made by
 ``--warmup`` training steps on one fixed batch of random bytes), one *refresh*
 is every registered side's decomposition as an inverse update makes it
-(``layer.decompose``); one *step* is the model's forward, backward and
+(``layer.decompose``; the factors do not change between refreshes here, so
+exact sides under ``eigenbasis_tolerance`` keep their bases and the
+low-rank sides' subspace iterations are most of it); one *step* is the model's forward, backward and
 AdamW on that batch (no K-FAC work). Two arms, alternating every round:
 
 * ``sequential``: the step, then the refresh (what ``step()`` does today);
