@@ -1,12 +1,13 @@
 """Would refreshing the eigenbases on a second thread, beside the training step, save time?
 
 On `gpt` (the suite's configuration of kaisa, its automatic choice made by
-``--warmup`` training steps on one fixed batch of random bytes), one *refresh*
-is every registered side's decomposition as an inverse update makes it
-(``layer.decompose``; the factors do not change between refreshes here, so
-exact sides under ``eigenbasis_tolerance`` keep their bases and the
-low-rank sides' subspace iterations are most of it); one *step* is the model's forward, backward and
-AdamW on that batch (no K-FAC work). Two arms, alternating every round:
+``--warmup`` training steps on one fixed batch of random bytes), one
+*refresh* is every registered side's decomposition as an inverse update
+makes it (``layer.decompose``). The factors do not change between refreshes
+here, so exact sides under ``eigenbasis_tolerance`` keep their bases and the
+low-rank sides' subspace iterations are most of it. One *step* is the
+model's forward, backward and AdamW on that batch (no K-FAC work). Two
+arms, alternating every round:
 
 * ``sequential``: the step, then the refresh (what ``step()`` does today);
 * ``overlapped``: the refresh on a second Python thread (``torch.linalg``

@@ -47,3 +47,5 @@ def test_a_refresh_on_a_thread_decomposes_as_on_the_main_thread(bench: ModuleTyp
     steps_before = here.steps
     step()
     assert here.steps == steps_before  # kaisa does no work in the step arm
+    hooked = [m for m in here.model.modules() if m._forward_hooks or m._forward_pre_hooks]
+    assert hooked == []  # nor do its hooks: they were removed
