@@ -35,13 +35,20 @@ row's ``model`` is ``'hf-gpt2'``): a language model as users bring it, not
 one written here. ``--hf-llama`` likewise with ``LlamaForCausalLM`` (d 128,
 3 layers, 4 heads, SwiGLU MLP 344 wide, RMSNorm, rotary positions, separate
 Q/K/V/O projections without biases, an untied head; 659,328 parameters
-against the ``gpt`` model's 668,800; ``model`` ``'hf-llama'``). ::
+against the ``gpt`` model's 668,800; ``model`` ``'hf-llama'``).
+
+``--behind muon`` (the kaisa arms only) puts kaisa in front of the Muon
+arm's optimizer instead of the arm's own: ``torch.optim.Muon`` on the hidden
+matrices (momentum 0.95), AdamW on the rest at the workload's ratio of the
+rate, exactly as the ``muon`` arm builds it, with ``--lr`` defaulting to
+Muon's rate for the workload; the row's ``behind`` says so. ::
 
     python benchmarks/steps_probe.py --workload vit --arm kaisa-adamw --lr 0.008 \\
         --seeds 0,1 --kfac '{"time_budget": 1.0}'
     python benchmarks/steps_probe.py --workload gap_cnn --arm kaisa-sgd --lr 0.05 \\
         --seeds 0,1,2 --early-refresh 40,100
     python benchmarks/steps_probe.py --workload gpt --arm muon --seeds 0 --max-steps 100
+    python benchmarks/steps_probe.py --workload gpt --arm kaisa-adamw --behind muon --seeds 0
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ from common import kfac_json, library_commit
 import kaisa
 from kaisa.demo import train as demo_train
 from kaisa.demo.cli import build_config, parse_args
-from kaisa.demo.config import ARM_NAMES, KAISA_ARMS
+from kaisa.demo.config import ARM_NAMES, KAISA_ARMS, KfacConfig
 from kaisa.demo.datasets import load_dataset
 
 
@@ -171,6 +178,9 @@ def hf_llama(
     return HFCausalLM("LlamaForCausalLM", config)
 
 
+#: Optimizers ``--behind`` can put kaisa in front of, as their arms build them.
+BEHIND = ("muon",)
+
 #: The models that replace the ``gpt`` workload's: flag, builder and the row's marker.
 MODELS: dict[str, tuple[Any, tuple[str, Any]]] = {
     "--tied-head": (tied_gpt, ("tied_head", True)),
@@ -210,6 +220,12 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
     )
     p.add_argument("--out", type=Path, default=Path("runs/steps_probe.jsonl"))
     p.add_argument(
+        "--behind",
+        choices=BEHIND,
+        default=None,
+        help="kaisa arms only: the optimizer kaisa runs in front of (default: the arm's own)",
+    )
+    p.add_argument(
         "--hf-gpt2", action="store_true", help="gpt only: HuggingFace's GPT-2 of the same shape"
     )
     p.add_argument(
@@ -226,8 +242,11 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
     extra: dict[str, Any] = kfac_json(args.kfac)
     if not isinstance(extra, dict):
         p.error("--kfac must be a JSON object")
-    if args.arm not in KAISA_ARMS and (extra or args.early_refresh or args.phase):
-        p.error(f"--kfac, --early-refresh and --phase apply to the kaisa arms only, not {args.arm}")
+    if args.arm not in KAISA_ARMS and (extra or args.early_refresh or args.phase or args.behind):
+        p.error(
+            "--kfac, --early-refresh, --phase and --behind apply to the kaisa arms only, "
+            f"not {args.arm}"
+        )
     if args.early_refresh and args.phase:
         p.error("give --early-refresh or --phase, not both")
     if args.max_steps is not None and args.max_steps < 1:
@@ -269,11 +288,14 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
         demo_train._make_preconditioner = make  # the demo's run, these options
         if build is not None:
             demo_train.build_demo_model = build
-        argv_demo = ["--workload", args.workload, "--arms", args.arm,
+        # Behind another optimizer: that arm as the demo builds it (its rate by
+        # default), with kaisa attached below.
+        demo_arm = args.behind or args.arm
+        argv_demo = ["--workload", args.workload, "--arms", demo_arm,
                      "--threads", str(args.threads), "--no-progress", "--stop-at-target",
                      "--out", "/tmp/steps_probe"]  # fmt: skip
         if args.lr is not None:
-            argv_demo += ["--lr", f"{args.arm}={args.lr!r}"]
+            argv_demo += ["--lr", f"{demo_arm}={args.lr!r}"]
         if args.data_dir:
             argv_demo += ["--data-dir", args.data_dir]
         if args.text_dir:
@@ -281,6 +303,9 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
         config = build_config(parse_args(argv_demo)).workloads[0]
         config = dataclasses.replace(config, step_limit=args.max_steps)
         arm = config.arms[0]
+        if args.behind is not None:
+            arm = dataclasses.replace(arm, name=args.arm, kfac=KfacConfig())
+            config = dataclasses.replace(config, arms=(arm,))
         data = load_dataset(config.dataset, config.data_dir)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         library = library_commit()
@@ -297,6 +322,7 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
                 "kfac": args.kfac,
                 "early_refresh": args.early_refresh,
                 "phase": args.phase,
+                "behind": args.behind,
                 "metric": config.metric,
                 "target": config.target,
                 "steps": None if hit is None else hit.step,

@@ -548,3 +548,47 @@ def test_steps_probe_swaps_in_the_tied_and_the_huggingface_models_for_its_run_on
     for build in (probe.tied_gpt, probe.hf_gpt2, probe.hf_llama):
         with pytest.raises(ValueError, match="gpt workload"):
             build("vit", context=16)
+
+
+@pytest.mark.timeout(120)
+def test_steps_probe_puts_kaisa_in_front_of_muon(
+    corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kaisa.demo import train as demo_train
+    from kaisa.demo.optimizers import OptimizerChain
+
+    probe = _probe()
+    built: list[tuple[str, bool, object]] = []
+    real_build = demo_train.build_optimizer
+
+    def spy(model: torch.nn.Module, arm: object) -> object:
+        optimizer, info = real_build(model, arm)  # type: ignore[arg-type]
+        built.append((arm.optimizer, arm.kfac is not None, optimizer))  # type: ignore[attr-defined]
+        return optimizer, info
+
+    monkeypatch.setattr(demo_train, "build_optimizer", spy)
+    out = tmp_path / "probe.jsonl"
+    for behind in ([], ["--behind", "muon"]):
+        code = probe.main(["--workload", "gpt", "--arm", "kaisa-adamw", "--seeds", "0",
+                           "--max-steps", "3", "--text-dir", str(corpus_dir), "--out", str(out),
+                           *behind])  # fmt: skip
+        assert code == 0
+    own, muon = (json.loads(line) for line in out.read_text().splitlines())
+    assert own["behind"] is None and muon["behind"] == "muon"
+    # Muon's own rate for the workload by default, and a kaisa run (its choice recorded).
+    assert own["lr"] == _demo_lr("kaisa-adamw") and muon["lr"] == _demo_lr("muon")
+    assert muon["arm"] == "kaisa-adamw" and "specs" in muon and muon["kfac_s"] > 0
+    assert [(name, kfac) for name, kfac, _ in built] == [("adamw", True), ("muon", True)]
+    chain = built[1][2]
+    assert isinstance(chain, OptimizerChain)
+    assert any(isinstance(o, torch.optim.Muon) for o in chain.optimizers)
+    # --lr sets the rate of the optimizer behind.
+    code = probe.main(["--workload", "gpt", "--arm", "kaisa-adamw", "--behind", "muon",
+                       "--lr", "0.01", "--seeds", "0", "--max-steps", "1",
+                       "--text-dir", str(corpus_dir), "--out", str(out)])  # fmt: skip
+    assert code == 0 and json.loads(out.read_text().splitlines()[-1])["lr"] == 0.01
+    for bad in (["--arm", "muon", "--behind", "muon"],
+                ["--arm", "kaisa-adamw", "--behind", "soap"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            probe.main(["--workload", "gpt", *bad, "--text-dir", str(corpus_dir),
+                        "--out", str(out)])  # fmt: skip
