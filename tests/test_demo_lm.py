@@ -592,3 +592,65 @@ def test_steps_probe_puts_kaisa_in_front_of_muon(
         with pytest.raises(SystemExit):
             probe.main(["--workload", "gpt", *bad, "--text-dir", str(corpus_dir),
                         "--out", str(out)])  # fmt: skip
+
+
+def _docs_block(path: str, marker: str) -> str:
+    """The Python block of a docs page that contains ``marker``, dedented."""
+    import textwrap
+
+    text = (Path(__file__).resolve().parents[1] / path).read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python")[1:]]
+    found = [textwrap.dedent(b) for b in blocks if marker in b]
+    assert len(found) == 1, f"{path}: {len(found)} Python blocks contain {marker!r}"
+    return found[0]
+
+
+@pytest.mark.timeout(120)
+def test_the_language_model_docs_recipe_in_front_of_muon_runs_as_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch.nn.functional as F
+
+    import kaisa
+    from kaisa.demo.optimizers import muon_param_split
+    from kaisa.models import GPT
+
+    code = _docs_block("docs/language-models.md", "optimizer=muon")
+    torch.manual_seed(0)
+    model = GPT(d_model=32, n_layer=2, n_head=2, context=16)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    data = torch.randint(0, 256, (6, 4, 17), generator=torch.Generator().manual_seed(0))
+    batches = [(b[:, :-1], b[:, 1:]) for b in data]
+    raw: list[torch.Tensor] = []
+    seen: list[torch.Tensor] = []
+    qkv = model.blocks[0].attn.qkv.weight
+    real_pre_step, real_muon_step = kaisa.KFACPreconditioner.step, torch.optim.Muon.step
+
+    def pre_step(self: kaisa.KFACPreconditioner) -> None:
+        assert qkv.grad is not None
+        raw.append(qkv.grad.clone())
+        real_pre_step(self)
+
+    def muon_step(self: torch.optim.Muon, *args: object) -> object:
+        assert qkv.grad is not None
+        seen.append(qkv.grad.clone())
+        return real_muon_step(self, *args)
+
+    monkeypatch.setattr(kaisa.KFACPreconditioner, "step", pre_step)
+    monkeypatch.setattr(torch.optim.Muon, "step", muon_step)
+    scope: dict[str, object] = {"model": model, "batches": batches, "torch": torch,
+                                "F": F, "kaisa": kaisa}  # fmt: skip
+    exec(compile(code, "docs/language-models.md", "exec"), scope)
+    # The split is the suite's: the blocks' matrices to Muon, the rest to AdamW.
+    names = {id(p): n for n, p in model.named_parameters()}
+    hidden = [names[id(p)] for p in scope["hidden"]]  # type: ignore[attr-defined]
+    assert hidden == list(muon_param_split(model).matrices)
+    pre = scope["preconditioner"]
+    assert isinstance(pre, kaisa.KFACPreconditioner)
+    assert pre.hyperparameters().lr == 0.02  # KL clipping reads Muon's rate
+    # Muon stepped on kaisa's preconditioned gradients, every step.
+    assert len(raw) == len(seen) == len(batches)
+    for r, s in zip(raw, seen, strict=True):
+        assert torch.isfinite(s).all() and not torch.allclose(r, s, rtol=1e-3, atol=0)
+    for n, p in model.named_parameters():
+        assert torch.isfinite(p).all() and not torch.equal(p, before[n]), n
