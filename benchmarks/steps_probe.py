@@ -305,7 +305,6 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
         arm = config.arms[0]
         if args.behind is not None:
             arm = dataclasses.replace(arm, name=args.arm, kfac=KfacConfig())
-            config = dataclasses.replace(config, arms=(arm,))
         data = load_dataset(config.dataset, config.data_dir)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         library = library_commit()
