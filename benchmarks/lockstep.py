@@ -93,7 +93,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--demo-args", default="", help="more kaisa demo options, one string (kaisa's options)"
     )
-    p.add_argument("--data-dir", default=None, help="the workload's data (default: the demo's)")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="Fashion-MNIST's directory (default: the demo's); the language model's text: "
+        "--demo-args '--text-dir DIR'",
+    )
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     if args.steps < 1 or args.rounds < 1 or args.turn < 1:
