@@ -47,6 +47,21 @@ the change (``variant``).
 ``--scale-power P``
     ``'ekfac'`` divides by ``S^P`` rescaled to the factors' mean (``P = 1``:
     the library).
+``--separable MODE``
+    ``'ekfac'`` divides by the rank-one (separable) part of ``S``:
+    ``S̃ = r cᵀ / m``, ``r`` and ``c`` its row and column means (weighted by
+    the coordinates each entry stands for), ``m`` its mean, which a solve
+    could apply as two side matrices ``Q diag(·) Qᵀ`` (K-FAC's inverse
+    form, two products a step instead of four). ``elementwise``: ``S̃·μ/m +
+    γ``, the library's damping; ``split``: ``(r̂ + γ_G)(ĉ + γ_A)`` with
+    ``r̂, ĉ`` each at mean 1 and ``γ_G = γ_A = √γ`` (relative damping's
+    split, what the two-matrix form would apply).
+``--scale-every K``
+    ``S`` is folded at one step in ``K`` (each layer's first call and every
+    ``K``-th after it) with the decay ``ξ^K`` (the same window in steps,
+    ``K`` times fewer samples); the other steps solve with ``S`` as it is.
+    With ``--separable split`` this is what a solve through two side
+    matrices rebuilt only when ``S`` changes would compute.
 ``--row-cap R``
     factor products from every ``k``-th row, at most ``R`` of a call's
     rows, scaled to the full sum (cheaper factors on long batches).
@@ -65,6 +80,7 @@ import argparse
 import itertools
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -247,13 +263,18 @@ def token_scales() -> None:
     block.KroneckerBlock.precondition = solved  # type: ignore[method-assign]
 
 
-def scale_power(power: float) -> None:
-    """``'ekfac'`` divides by ``S^power`` rescaled to the factors' mean (1: the library's)."""
+#: ``(library's divisor, S, γ, relative, μ, shares, mean) -> divisor``: a replacement for
+#: :func:`kaisa.curvature.eigencorrection.divisor` under ``'ekfac'``.
+EkfacDivisor = Callable[..., torch.Tensor]
+
+
+def _replace_ekfac_divisor(replacement: EkfacDivisor) -> None:
+    """Route the library's ``'ekfac'`` divisors through ``replacement`` (``'adam'`` unchanged)."""
     import kaisa.curvature.eigencorrection as ec
 
     divisor = ec.divisor
 
-    def powered(
+    def patched(
         scales: torch.Tensor,
         damping: float,
         correction: Any,
@@ -262,12 +283,87 @@ def scale_power(power: float) -> None:
         shares: torch.Tensor | None = None,
         mean: float | None = None,
     ) -> torch.Tensor:
-        if correction == "ekfac":
-            scales = scales.clamp_min(0).pow(power)
-            mean = None  # (S's mean read on the host is not its power's)
-        return divisor(scales, damping, correction, relative, kron_mean, shares, mean)
+        if correction != "ekfac":
+            return divisor(scales, damping, correction, relative, kron_mean, shares, mean)
+        return replacement(divisor, scales, damping, relative, kron_mean, shares, mean)
 
-    ec.divisor = powered
+    ec.divisor = patched
+
+
+def scale_power(power: float) -> None:
+    """``'ekfac'`` divides by ``S^power`` rescaled to the factors' mean (1: the library's)."""
+
+    # (S's mean read on the host is not its power's: recomputed.)
+    _replace_ekfac_divisor(
+        lambda divisor, scales, damping, relative, kron_mean, shares, _mean: divisor(
+            scales.clamp_min(0).pow(power), damping, "ekfac", relative, kron_mean, shares, None
+        )
+    )
+
+
+def separable(mode: str) -> None:
+    """``'ekfac'`` with ``S`` replaced by its rank-one part (module docstring)."""
+
+    def rank_one(
+        divisor: EkfacDivisor,
+        scales: torch.Tensor,
+        damping: float,
+        relative: bool,
+        kron_mean: Any,
+        shares: torch.Tensor | None,
+        mean: float | None,
+    ) -> torch.Tensor:
+        g, a = scales.shape
+        if shares is None:
+            shares = torch.full_like(scales, 1.0 / (g * a))
+        p, q = shares.sum(1), shares.sum(0)  # shares = p qᵀ, each summing to 1
+        rows = (scales * q).sum(1)  # the mean over each row, by the columns' shares
+        cols = (scales * p.unsqueeze(1)).sum(0)
+        m = float((scales * shares).sum())
+        if mode == "elementwise":
+            rank_one = torch.outer(rows, cols) / max(m, 1e-30)
+            return divisor(rank_one, damping, "ekfac", relative, kron_mean, shares, None)
+        if not relative:
+            raise ValueError("--separable split is relative damping's split (γ_G = γ_A = √γ)")
+        rows = rows / max(float((rows * p).sum()), 1e-30)
+        cols = cols / max(float((cols * q).sum()), 1e-30)
+        root = damping**0.5
+        return torch.outer(rows + root, cols + root)
+
+    _replace_ekfac_divisor(rank_one)
+
+
+def scale_every(k: int) -> None:
+    """``S`` folded at one step in ``k`` with the decay ``ξ^k`` (module docstring)."""
+    import kaisa.curvature.eigencorrection as ec
+
+    solve = ec.EigenScales.solve
+
+    def sparse(
+        self: Any,
+        grad: torch.Tensor,
+        qa: Any,
+        qg: Any,
+        damping: float,
+        decay: float,
+        correction: Any,
+        relative: bool,
+        kron_mean: Any = 1.0,
+    ) -> torch.Tensor:
+        n = getattr(self, "variant_calls", 0)  # this layer's calls so far
+        self.variant_calls = n + 1
+        if n % k == 0:
+            return solve(self, grad, qa, qg, damping, decay**k, correction, relative, kron_mean)
+        if ec.has_rest(qa) or ec.has_rest(qg):
+            dtype = ec._dtype(qa, qg, self.scales)
+            partial = ec.rotate_partial(grad, qa, qg, dtype)
+            d = ec.divisor(self.scales, damping, correction, relative, kron_mean, self.shares)
+            return ec.partial_solve(partial, qa, qg, d).to(grad.dtype)
+        return ec.corrected_solve(
+            grad, qa, qg, self.scales, damping, correction, relative, kron_mean
+        )
+
+    ec.EigenScales.solve = sparse  # type: ignore[method-assign]
 
 
 def cap_rows(cap: int) -> None:
@@ -329,18 +425,30 @@ def diagnose(out: Path, tag: str) -> None:
     kaisa.KFACPreconditioner.step = logged  # type: ignore[method-assign]
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--power", type=float, default=None)
     p.add_argument("--correct-layers", default=None, metavar="REGEX")
     p.add_argument("--diagnose", type=Path, default=None, metavar="FILE")
-    p.add_argument("--block-size", type=int, default=None, metavar="B")
+    p.add_argument("--block-size", type=_positive_int, default=None, metavar="B")
     p.add_argument("--block-sides", default=None, metavar="REGEX")
     p.add_argument("--project-scales", action="store_const", const="on", default=None)
     p.add_argument("--match-scales", action="store_const", const="on", default=None)
     p.add_argument("--token-scales", action="store_const", const="on", default=None)
     p.add_argument("--scale-power", type=float, default=None, metavar="P")
-    p.add_argument("--row-cap", type=int, default=None, metavar="R")
+    p.add_argument("--row-cap", type=_positive_int, default=None, metavar="R")
+    p.add_argument("--separable", choices=("elementwise", "split"), default=None)
+    p.add_argument("--scale-every", type=_positive_int, default=None, metavar="K")
     ours, rest = p.parse_known_args(argv)
     given = {k.replace("_", "-"): v for k, v in vars(ours).items() if v is not None}
     variant = " ".join(f"--{name} {value}" for name, value in given.items())
@@ -351,8 +459,6 @@ def main(argv: list[str] | None = None) -> int:
     if ours.block_sides is not None and ours.block_size is None:
         p.error("--block-sides needs --block-size")
     if ours.block_size is not None:
-        if ours.block_size < 1:
-            p.error(f"--block-size must be a positive integer; got {ours.block_size}")
         use_blocks(ours.block_size, ours.block_sides)
     if ours.project_scales is not None and ours.match_scales is not None:
         p.error("--project-scales and --match-scales are two ways to carry S; give one")
@@ -364,9 +470,11 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < ours.scale_power <= 2:
             p.error(f"--scale-power must be in (0, 2]; got {ours.scale_power}")
         scale_power(ours.scale_power)
+    if ours.scale_every is not None:
+        scale_every(ours.scale_every)
+    if ours.separable is not None:
+        separable(ours.separable)
     if ours.row_cap is not None:
-        if ours.row_cap < 1:
-            p.error(f"--row-cap must be a positive integer; got {ours.row_cap}")
         cap_rows(ours.row_cap)
     if ours.correct_layers is not None:
         correct_only(ours.correct_layers)

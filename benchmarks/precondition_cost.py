@@ -15,7 +15,13 @@ set of gradients:
 
 With ``--profile``, also the operator calls one preconditioning makes
 (``torch.profiler``, averaged over 50 calls; the gradient restore excluded)
-and the five most frequent.
+and the five most frequent. With ``--flops``, the floating-point work of
+its matrix products (``torch.profiler``'s count, averaged over 10 calls),
+the time the profiler gives them and the rate that is, against this
+machine's rate on one large product (``1024 × 1024 × 1024``, float32, the
+same threads, the fastest of 20): ``floor`` is the products' work at that rate, what the pass
+would cost if nothing but its products ran, as fast as this machine runs
+a product.
 
 The machine's load is printed before and after; nothing else should run.
 Nothing is asserted.
@@ -23,6 +29,7 @@ Nothing is asserted.
     python benchmarks/precondition_cost.py
     python benchmarks/precondition_cost.py --models vit --repeats 400 --profile
     python benchmarks/precondition_cost.py --kfac '{"eigenvalue_correction": "ekfac"}'
+    python benchmarks/precondition_cost.py --models gpt --flops --kfac '<options>'
 """
 
 from __future__ import annotations
@@ -67,12 +74,47 @@ def _operator_calls(fn: Callable[[], None], restore: Callable[[], None]) -> list
     return sorted(((k, v) for k, v in counts.items() if v > 0), key=lambda kv: -kv[1])
 
 
+#: The aten operators whose floating-point work ``--flops`` counts (the matrix products).
+PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def _product_work(fn: Callable[[], None], calls: int = 10) -> tuple[float, float]:
+    """``(GFLOP, ms)`` of the matrix products per call of ``fn`` (the profiler's count and
+    self time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        for _ in range(calls):
+            fn()
+    flops = ms = 0.0
+    for event in prof.key_averages():
+        if event.key in PRODUCTS:
+            flops += event.flops
+            ms += event.self_cpu_time_total / 1e3
+    return flops / calls / 1e9, ms / calls
+
+
+def product_rate(size: int = 1024, repeats: int = 20) -> float:
+    """This machine's float32 rate on one ``size³`` product, GFLOP/s: the fastest of
+    ``repeats`` (a peak, not a typical rate), after three untimed."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    for _ in range(3):
+        torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / (best * 1e9)
+
+
 def measure(
     name: str,
     warmup: int,
     repeats: int,
     profile: bool = False,
     kfac: dict[str, Any] | None = None,
+    flops: bool = False,
 ) -> dict[str, Any]:
     torch.manual_seed(0)
     if name == "gpt":  # the suite's batch: 16 windows of 64 bytes, a byte predicted per position
@@ -130,7 +172,10 @@ def measure(
 
     precondition = _median_ms(precondition_only, repeats) - _median_ms(restore_only, repeats)
     calls = _operator_calls(precondition_only, restore_only) if profile else []
+    work = _product_work(precondition_only) if flops else None
     return {
+        "product_gflop": None if work is None else work[0],
+        "product_ms": None if work is None else work[1],
         "operator_calls": calls,
         "layers": float(len(pre.layers)),
         "precondition_ms": precondition,
@@ -147,18 +192,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200, help="timed calls per median")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="count operator calls")
+    parser.add_argument("--flops", action="store_true", help="the products' work and rate")
     parser.add_argument(
         "--kfac", type=kfac_json, default=None, help="KFACPreconditioner options, as JSON"
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"load before {load_average()}")
+    rate = product_rate() if args.flops else None
+    if rate is not None:
+        print(f"one 1024^3 float32 product: {rate:.0f} GFLOP/s at {args.threads} threads")
     print(
         f"{'model':<10} {'layers':>6} {'precondition':>13} {'AdamW step':>11} "
         f"{'+ kaisa step':>13} {'ratio':>6}"
     )
     for name in args.models.split(","):
-        r = measure(name, args.warmup, args.repeats, args.profile, args.kfac)
+        r = measure(name, args.warmup, args.repeats, args.profile, args.kfac, args.flops)
         print(
             f"{name:<10} {r['layers']:>6.0f} {r['precondition_ms']:>10.2f} ms "
             f"{r['adamw_step_ms']:>8.2f} ms {r['kaisa_step_ms']:>10.2f} ms {r['ratio']:>6.3f}"
@@ -167,6 +216,12 @@ def main() -> None:
             total = sum(count for _, count in r["operator_calls"])
             top = ", ".join(f"{k} {v:.0f}" for k, v in r["operator_calls"][:5])
             print(f"{'':<10} operator calls per preconditioning: {total:.0f} ({top})")
+        if rate is not None:
+            gflop, ms = r["product_gflop"], r["product_ms"]
+            print(
+                f"{'':<10} products: {gflop:.3f} GFLOP a pass, {ms:.2f} ms in the profiler "
+                f"({gflop / max(ms, 1e-9) * 1e3:.0f} GFLOP/s); floor {gflop / rate * 1e3:.2f} ms"
+            )
     print(f"load after {load_average()}")
 
 

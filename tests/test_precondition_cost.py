@@ -42,3 +42,22 @@ def test_measure_takes_the_language_model(bench: ModuleType) -> None:
     result = bench.measure("gpt", warmup=2, repeats=2)
     assert result["layers"] == 15  # two embeddings, 3 blocks of 4 Linear layers, the head
     assert result["precondition_ms"] > 0 and result["kaisa_step_ms"] > 0
+
+
+def test_flops_count_the_rotations_of_every_exact_side(bench: ModuleType) -> None:
+    """With every side exact and the eigenvalue correction, one pass is the rotation
+    into and out of each layer's eigenbasis: ``2(g²a + ga²)`` multiply-adds a layer."""
+    exact = {"curvature": "exact", "eigenvalue_correction": "ekfac"}
+    result = bench.measure("gpt", warmup=2, repeats=2, kfac=exact, flops=True)
+    d, vocab, context = 128, 256, 64
+    shapes = [(d, vocab), (d, context), (vocab, d)]  # the two embeddings' (g, a), the head's
+    shapes += [(3 * d, d + 1), (d, d + 1), (4 * d, d + 1), (d, 4 * d + 1)] * 3  # the blocks
+    expected = sum(4 * g * a * (g + a) for g, a in shapes) / 1e9
+    assert result["product_gflop"] == pytest.approx(expected, rel=1e-9)
+    assert result["product_ms"] > 0
+    assert bench.measure("gpt", warmup=2, repeats=2)["product_gflop"] is None  # only when asked
+
+
+def test_product_rate_is_a_rate(bench: ModuleType) -> None:
+    rate = bench.product_rate(size=64, repeats=2)
+    assert 0 < rate < 1e6  # GFLOP/s
