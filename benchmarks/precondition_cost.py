@@ -19,9 +19,9 @@ and the five most frequent. With ``--flops``, the floating-point work of
 its matrix products (``torch.profiler``'s count, averaged over 10 calls),
 the time the profiler gives them and the rate that is, against this
 machine's rate on one large product (``1024 × 1024 × 1024``, float32, the
-same threads, the fastest of 20): ``floor`` is the products' work at that rate, what the pass
-would cost if nothing but its products ran, as fast as this machine runs
-a product.
+same threads, the fastest of 20): ``floor`` is the products' work at that
+rate, what the pass would cost if nothing but its products ran, as fast
+as this machine runs a product.
 
 The machine's load is printed before and after; nothing else should run.
 Nothing is asserted.
