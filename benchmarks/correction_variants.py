@@ -321,8 +321,8 @@ def separable(mode: str) -> None:
         cols = (scales * p.unsqueeze(1)).sum(0)
         m = float((scales * shares).sum())
         if mode == "elementwise":
-            rank_one = torch.outer(rows, cols) / max(m, 1e-30)
-            return divisor(rank_one, damping, "ekfac", relative, kron_mean, shares, None)
+            separable_part = torch.outer(rows, cols) / max(m, 1e-30)
+            return divisor(separable_part, damping, "ekfac", relative, kron_mean, shares, None)
         if not relative:
             raise ValueError("--separable split is relative damping's split (γ_G = γ_A = √γ)")
         rows = rows / max(float((rows * p).sum()), 1e-30)
