@@ -41,7 +41,12 @@ against the ``gpt`` model's 668,800; ``model`` ``'hf-llama'``).
 arm's optimizer instead of the arm's own: ``torch.optim.Muon`` on the hidden
 matrices (momentum 0.95), AdamW on the rest at the workload's ratio of the
 rate, exactly as the ``muon`` arm builds it, with ``--lr`` defaulting to
-Muon's rate for the workload; the row's ``behind`` says so. ::
+Muon's rate for the workload; the row's ``behind`` says so.
+
+``--demo-args`` hands more of ``kaisa demo``'s own options to the run, as
+one string (``'--batch-size 64 --eval-every 25 --eval-every-near 5'``);
+the demo checks them as it checks its command line, and the row records
+the string with the batch and warm-up that ran. ::
 
     python benchmarks/steps_probe.py --workload vit --arm kaisa-adamw --lr 0.008 \\
         --seeds 0,1 --kfac '{"time_budget": 1.0}'
@@ -49,6 +54,8 @@ Muon's rate for the workload; the row's ``behind`` says so. ::
         --seeds 0,1,2 --early-refresh 40,100
     python benchmarks/steps_probe.py --workload gpt --arm muon --seeds 0 --max-steps 100
     python benchmarks/steps_probe.py --workload gpt --arm kaisa-adamw --behind muon --seeds 0
+    python benchmarks/steps_probe.py --workload gpt --arm muon --lr 0.04 --seeds 0 \\
+        --demo-args '--batch-size 64 --eval-every 25 --eval-every-near 5'
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -66,7 +74,7 @@ from common import kfac_json, library_commit
 
 import kaisa
 from kaisa.demo import train as demo_train
-from kaisa.demo.cli import build_config, parse_args
+from kaisa.demo.cli import DemoError, build_config, parse_args
 from kaisa.demo.config import ARM_NAMES, KAISA_ARMS, KfacConfig
 from kaisa.demo.datasets import load_dataset
 
@@ -231,6 +239,13 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
     p.add_argument(
         "--hf-llama", action="store_true", help="gpt only: HuggingFace's Llama of about its size"
     )
+    p.add_argument(
+        "--demo-args",
+        default="",
+        metavar="ARGS",
+        help="more options of kaisa demo for the workload, one string "
+        "(for example '--batch-size 64 --warmup-steps 25')",
+    )
     args = p.parse_args(argv)
     given = [flag for flag in MODELS if getattr(args, flag[2:].replace("-", "_"))]
     for flag in given:
@@ -249,6 +264,10 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
         )
     if args.early_refresh and args.phase:
         p.error("give --early-refresh or --phase, not both")
+    try:
+        demo_args = shlex.split(args.demo_args)
+    except ValueError as exc:
+        p.error(f"--demo-args: {exc}")
     if args.max_steps is not None and args.max_steps < 1:
         p.error("--max-steps must be a positive integer")
     if isinstance(extra.get("curvature"), list):
@@ -300,7 +319,11 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
             argv_demo += ["--data-dir", args.data_dir]
         if args.text_dir:
             argv_demo += ["--text-dir", args.text_dir]
-        config = build_config(parse_args(argv_demo)).workloads[0]
+        argv_demo += demo_args
+        try:
+            config = build_config(parse_args(argv_demo)).workloads[0]
+        except DemoError as exc:  # the demo's own check of the options, --demo-args' included
+            p.error(f"kaisa demo refused the run's options: {exc}")
         config = dataclasses.replace(config, step_limit=args.max_steps)
         arm = config.arms[0]
         if args.behind is not None:
@@ -324,6 +347,9 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
                 "behind": args.behind,
                 "metric": config.metric,
                 "target": config.target,
+                "demo_args": args.demo_args or None,
+                "batch_size": config.batch_size,
+                "warmup_steps": config.warmup_steps,
                 "steps": None if hit is None else hit.step,
                 "stopped_at": result.steps,
                 "last": None if result.final_value is None else round(result.final_value, 4),

@@ -17,6 +17,7 @@ import math
 import os
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -436,6 +437,18 @@ def _probe() -> ModuleType:
     return load_script("benchmarks/steps_probe.py", "steps_probe_under_test")
 
 
+def _probe_rows(
+    probe: Any, corpus_dir: Path, out: Path, arm: str, *flag_sets: list[str]
+) -> list[dict[str, Any]]:
+    """One 3-step probe of ``arm`` on ``gpt`` (seed 0) per set of flags; the rows written."""
+    for flags in flag_sets:
+        code = probe.main(["--workload", "gpt", "--arm", arm, "--seeds", "0",
+                           "--max-steps", "3", "--text-dir", str(corpus_dir), "--out", str(out),
+                           *flags])  # fmt: skip
+        assert code == 0
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
 @pytest.mark.timeout(120)
 def test_steps_probe_runs_any_arm_on_the_language_model(
     corpus_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -568,12 +581,7 @@ def test_steps_probe_puts_kaisa_in_front_of_muon(
 
     monkeypatch.setattr(demo_train, "build_optimizer", spy)
     out = tmp_path / "probe.jsonl"
-    for behind in ([], ["--behind", "muon"]):
-        code = probe.main(["--workload", "gpt", "--arm", "kaisa-adamw", "--seeds", "0",
-                           "--max-steps", "3", "--text-dir", str(corpus_dir), "--out", str(out),
-                           *behind])  # fmt: skip
-        assert code == 0
-    own, muon = (json.loads(line) for line in out.read_text().splitlines())
+    own, muon = _probe_rows(probe, corpus_dir, out, "kaisa-adamw", [], ["--behind", "muon"])
     assert own["behind"] is None and muon["behind"] == "muon"
     # Muon's own rate for the workload by default, and a kaisa run (its choice recorded).
     assert own["lr"] == _demo_lr("kaisa-adamw") and muon["lr"] == _demo_lr("muon")
@@ -592,6 +600,44 @@ def test_steps_probe_puts_kaisa_in_front_of_muon(
         with pytest.raises(SystemExit):
             probe.main(["--workload", "gpt", *bad, "--text-dir", str(corpus_dir),
                         "--out", str(out)])  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_steps_probe_hands_demo_options_to_the_run(
+    corpus_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kaisa.demo import train as demo_train
+
+    probe = _probe()
+    seen: list[tuple[int, int | None, int]] = []
+    real_train = demo_train.train_arm
+
+    def spy(data: object, config: object, *args: object, **kwargs: object) -> object:
+        seen.append((config.batch_size, config.warmup_steps, config.eval_every))  # type: ignore[attr-defined]
+        return real_train(data, config, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(demo_train, "train_arm", spy)
+    out = tmp_path / "probe.jsonl"
+    given_args = ["--demo-args", "--batch-size 4 --warmup-steps 2 --eval-every 3"]
+    plain, given = _probe_rows(probe, corpus_dir, out, "adamw", [], given_args)
+    # The workload's own batch and warm-up unless given; what ran is what the row says.
+    assert seen == [(16, 100, 50), (4, 2, 3)]
+    assert (plain["demo_args"], plain["batch_size"], plain["warmup_steps"]) == (None, 16, 100)
+    assert given["demo_args"] == "--batch-size 4 --warmup-steps 2 --eval-every 3"
+    assert (given["batch_size"], given["warmup_steps"]) == (4, 2)
+    assert given["stopped_at"] == 3 and math.isfinite(given["last"])
+    capsys.readouterr()
+    # A demo option the demo refuses, and a string that does not split, end the probe
+    # before any run, naming what was wrong.
+    for bad, named in (("--batch-size 0", "--batch-size"), ("--warmup-steps '2", "--demo-args")):
+        with pytest.raises(SystemExit):
+            probe.main(["--workload", "gpt", "--arm", "adamw", "--demo-args", bad,
+                        "--text-dir", str(corpus_dir), "--out", str(out)])  # fmt: skip
+        assert named in capsys.readouterr().err
+    assert len(seen) == 2 and len(out.read_text().splitlines()) == 2
 
 
 def _docs_block(path: str, marker: str) -> str:
