@@ -46,7 +46,9 @@ Muon's rate for the workload; the row's ``behind`` says so.
 ``--demo-args`` hands more of ``kaisa demo``'s own options to the run, as
 one string (``'--batch-size 64 --eval-every 25 --eval-every-near 5'``);
 the demo checks them as it checks its command line, and the row records
-the string with the batch and warm-up that ran. ::
+the string with the batch and warm-up that ran. Options the probe sets
+itself (the workload, arm, rate, seeds, threads, data and output) are
+refused there. ::
 
     python benchmarks/steps_probe.py --workload vit --arm kaisa-adamw --lr 0.008 \\
         --seeds 0,1 --kfac '{"time_budget": 1.0}'
@@ -186,6 +188,13 @@ def hf_llama(
     return HFCausalLM("LlamaForCausalLM", config)
 
 
+#: ``kaisa demo`` options that ``--demo-args`` may not give: the probe sets them
+#: (workload, arm, rate, threads, data, output, one process) or loops over them (seeds).
+PROBE_SETS = frozenset(
+    ("--workload", "--arms", "--lr", "--sgd-lr", "--kaisa-lr", "--seeds", "--threads", "--out",
+     "--nproc", "--quick", "--data-dir", "--text-dir", "--stop-at-target")
+)  # fmt: skip
+
 #: Optimizers ``--behind`` can put kaisa in front of, as their arms build them.
 BEHIND = ("muon",)
 
@@ -268,6 +277,12 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
         demo_args = shlex.split(args.demo_args)
     except ValueError as exc:
         p.error(f"--demo-args: {exc}")
+    for token in demo_args:
+        if token.split("=")[0] in PROBE_SETS:
+            p.error(
+                f"--demo-args may not give {token.split('=')[0]}: the probe sets it itself "
+                f"(as it does {', '.join(sorted(PROBE_SETS))})"
+            )
     if args.max_steps is not None and args.max_steps < 1:
         p.error("--max-steps must be a positive integer")
     if isinstance(extra.get("curvature"), list):

@@ -632,7 +632,8 @@ def test_steps_probe_hands_demo_options_to_the_run(
     capsys.readouterr()
     # A demo option the demo refuses, and a string that does not split, end the probe
     # before any run, naming what was wrong.
-    for bad, named in (("--batch-size 0", "--batch-size"), ("--warmup-steps '2", "--demo-args")):
+    for bad, named in (("--batch-size 0", "--batch-size"), ("--warmup-steps '2", "--demo-args"),
+                       ("--seeds 1,2", "--seeds"), ("--workload=vit", "--workload")):  # fmt: skip
         with pytest.raises(SystemExit):
             probe.main(["--workload", "gpt", "--arm", "adamw", "--demo-args", bad,
                         "--text-dir", str(corpus_dir), "--out", str(out)])  # fmt: skip
