@@ -90,6 +90,7 @@ import torch
 import kaisa
 import kaisa.curvature.block as block
 import kaisa.curvature.representations as rep
+from kaisa.demo.cli import positive_int
 
 
 def use_power(power: float) -> None:
@@ -425,30 +426,20 @@ def diagnose(out: Path, tag: str) -> None:
     kaisa.KFACPreconditioner.step = logged  # type: ignore[method-assign]
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer; got {value}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--power", type=float, default=None)
     p.add_argument("--correct-layers", default=None, metavar="REGEX")
     p.add_argument("--diagnose", type=Path, default=None, metavar="FILE")
-    p.add_argument("--block-size", type=_positive_int, default=None, metavar="B")
+    p.add_argument("--block-size", type=positive_int, default=None, metavar="B")
     p.add_argument("--block-sides", default=None, metavar="REGEX")
     p.add_argument("--project-scales", action="store_const", const="on", default=None)
     p.add_argument("--match-scales", action="store_const", const="on", default=None)
     p.add_argument("--token-scales", action="store_const", const="on", default=None)
     p.add_argument("--scale-power", type=float, default=None, metavar="P")
-    p.add_argument("--row-cap", type=_positive_int, default=None, metavar="R")
+    p.add_argument("--row-cap", type=positive_int, default=None, metavar="R")
     p.add_argument("--separable", choices=("elementwise", "split"), default=None)
-    p.add_argument("--scale-every", type=_positive_int, default=None, metavar="K")
+    p.add_argument("--scale-every", type=positive_int, default=None, metavar="K")
     ours, rest = p.parse_known_args(argv)
     given = {k.replace("_", "-"): v for k, v in vars(ours).items() if v is not None}
     variant = " ".join(f"--{name} {value}" for name, value in given.items())

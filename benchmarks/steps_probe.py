@@ -76,7 +76,7 @@ from common import kfac_json, library_commit
 
 import kaisa
 from kaisa.demo import train as demo_train
-from kaisa.demo.cli import DemoError, build_config, parse_args
+from kaisa.demo.cli import DemoError, build_config, parse_args, positive_int
 from kaisa.demo.config import ARM_NAMES, KAISA_ARMS, KfacConfig
 from kaisa.demo.datasets import load_dataset
 
@@ -227,7 +227,10 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
         help="factor and inverse intervals F and I before step S, those of --kfac after",
     )
     p.add_argument(
-        "--max-steps", type=int, default=None, help="end each run after N steps (same schedule)"
+        "--max-steps",
+        type=positive_int,
+        default=None,
+        help="end each run after N steps (same schedule)",
     )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--data-dir", default=None, help="Fashion-MNIST (image workloads)")
@@ -283,8 +286,6 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
                 f"--demo-args may not give {token.split('=')[0]}: the probe sets it itself "
                 f"(as it does {', '.join(sorted(PROBE_SETS))})"
             )
-    if args.max_steps is not None and args.max_steps < 1:
-        p.error("--max-steps must be a positive integer")
     if isinstance(extra.get("curvature"), list):
         extra["curvature"] = tuple(extra["curvature"])
     schedule: dict[str, Any] = {}

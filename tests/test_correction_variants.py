@@ -111,3 +111,16 @@ def test_separable_divisors_against_dense_references(
         ec.divisor(scales, gamma, "adam", True, 1.0, shares, None),
         library(scales, gamma, "adam", True, 1.0, shares, None),
     )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flag", ["--scale-every", "--row-cap", "--block-size"])
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_the_integer_options_refuse_what_is_not_a_positive_integer(flag: str, value: str) -> None:
+    # The demo's own argparse type: the error names the option, what it takes and what
+    # it got, and nothing runs (no patch is applied before the options are read).
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "correction_variants.py"), flag, value,
+           "--workload", "gpt", "--arm", "kaisa-adamw"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 2
+    assert f"argument {flag}: expected a positive integer, got '{value}'" in done.stderr

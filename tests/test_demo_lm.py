@@ -638,6 +638,11 @@ def test_steps_probe_hands_demo_options_to_the_run(
             probe.main(["--workload", "gpt", "--arm", "adamw", "--demo-args", bad,
                         "--text-dir", str(corpus_dir), "--out", str(out)])  # fmt: skip
         assert named in capsys.readouterr().err
+    # The probe's own integer option, with the demo's type for it.
+    with pytest.raises(SystemExit):
+        probe.main(["--workload", "gpt", "--arm", "adamw", "--max-steps", "0",
+                    "--text-dir", str(corpus_dir), "--out", str(out)])  # fmt: skip
+    assert "argument --max-steps: expected a positive integer, got '0'" in capsys.readouterr().err
     assert len(seen) == 2 and len(out.read_text().splitlines()) == 2
 
 

@@ -159,7 +159,8 @@ def _device_text(text: str) -> str:
 
 
 _device = _checked(_device_text, lambda v: True, "cpu, cuda or cuda:K")
-_positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
+#: An argparse type for the options that take a positive integer (benchmarks use it too).
+positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
 _positive_float = _checked(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
 _nonnegative_float = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
 _fraction = _checked(float, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
@@ -331,8 +332,8 @@ _Options = dict[str, tuple[str, dict[str, Any]]]
 """Options by flag: the help (without its default) and ``add_argument``'s other arguments."""
 
 _KFAC_OPTIONS: _Options = {
-    "--factor-update-steps": ("update the factors every N steps", {"type": _positive_int}),
-    "--inv-update-steps": ("recompute the eigenbases every N steps", {"type": _positive_int}),
+    "--factor-update-steps": ("update the factors every N steps", {"type": positive_int}),
+    "--inv-update-steps": ("recompute the eigenbases every N steps", {"type": positive_int}),
     "--damping": ("Tikhonov damping", {"type": _positive_float}),
     "--kl-clip": ("KL clip; 'none' turns it off", {"type": _kl_clip}),
     "--factor-decay": ("running-average decay of the factors", {"type": _fraction}),
@@ -471,16 +472,16 @@ def _option_groups() -> list[tuple[str, str | None, _Options]]:
     training: _Options = {
         "--epochs": (
             "epoch budget for every workload",
-            {"type": _positive_int, "default_text": "the workload's"},
+            {"type": positive_int, "default_text": "the workload's"},
         ),
         "--steps": (
             "step budget for every workload, in place of its epoch budget (gpt's budget is in "
             "steps; --epochs E gives it E passes' worth of its training bytes instead)",
-            {"type": _positive_int, "default_text": "the workload's: epochs, gpt 1500 steps"},
+            {"type": positive_int, "default_text": "the workload's: epochs, gpt 1500 steps"},
         ),
         "--batch-size": (
             "global batch: images, or gpt's windows of 64 bytes",
-            {"type": _positive_int, "default_text": "the workload's: 128, gpt 16"},
+            {"type": positive_int, "default_text": "the workload's: 128, gpt 16"},
         ),
         "--warmup-epochs": (
             "linear warm-up length in epochs, then cosine decay to 0",
@@ -491,7 +492,7 @@ def _option_groups() -> list[tuple[str, str | None, _Options]]:
         ),
         "--warmup-steps": (
             "linear warm-up length in steps for every workload (in place of --warmup-epochs)",
-            {"type": _positive_int, "default_text": "as for --warmup-epochs"},
+            {"type": positive_int, "default_text": "as for --warmup-epochs"},
         ),
         "--momentum": (
             "SGD momentum (sgd, kaisa-sgd)",
@@ -524,12 +525,12 @@ def _option_groups() -> list[tuple[str, str | None, _Options]]:
         ),
         "--eval-every": (
             "evaluate every N steps",
-            {"type": _positive_int, "default_text": "the workload's: 100, gpt 50"},
+            {"type": positive_int, "default_text": "the workload's: 100, gpt 50"},
         ),
         "--eval-every-near": (
             "evaluate every N steps while just short of the target (within 1 point of "
             "accuracy; gpt: within 0.05 nats/byte)",
-            {"type": _positive_int, "default_text": "--eval-every / 4"},
+            {"type": positive_int, "default_text": "--eval-every / 4"},
         ),
         "--stop-at-target": (
             "end each run at the first evaluation that reaches the target (the time to the "
@@ -538,7 +539,7 @@ def _option_groups() -> list[tuple[str, str | None, _Options]]:
         ),
         "--threads": (
             "torch threads in all, divided among the --nproc processes (at least 1 each)",
-            {"type": _positive_int, "default": d["threads"]},
+            {"type": positive_int, "default": d["threads"]},
         ),
         "--device": (
             "where every arm trains: cpu, or a CUDA device (cuda, cuda:K) for a one-process "
@@ -549,7 +550,7 @@ def _option_groups() -> list[tuple[str, str | None, _Options]]:
         "--nproc": (
             "processes (torchrun + gloo, DDP for every arm, KAISA distributed); the batch is "
             "split among them",
-            {"type": _positive_int, "default": d["nproc"]},
+            {"type": positive_int, "default": d["nproc"]},
         ),
         "--quick": ("a version of about two minutes: " + quick, off),
         "--out": ("output directory", {"default_text": "runs/demo-<timestamp>"}),
