@@ -18,6 +18,10 @@ images, evaluated every ``--eval-every`` steps, off the clock), by
   every 20 steps (:data:`FIRST_INPUT_SIDE`; chosen by hand after the first
   run showed which side buys the steps: an illustration of what a choice
   judged by value would keep, not a default),
+- with ``--first-input-ranks``, ``first-input-rK-F/I``: the same side in
+  rank ``K``, every other side diagonal, factors every ``F`` and inverses
+  every ``I`` steps (each pair of ``--first-input-intervals``): how little
+  of that side buys its steps,
 - with ``--per-side``, ``all-diagonal`` (every side diagonal) and, for each
   layer and side, ``only-<layer><A|G>``: that side exact and every other
   diagonal (both at 10/20): what each side buys in steps on its own,
@@ -116,6 +120,15 @@ def _make_run(arm: str, lr: float, seed: int, kfac: dict[str, Any] | None) -> Ru
     return Run(arm, lr, model, optimizer, pre, torch.Generator().manual_seed(seed))
 
 
+def _first_input(rank: int, factor_steps: int, inv_steps: int) -> dict[str, Any]:
+    """The first layer's input side in rank ``rank``, every other side diagonal."""
+    return {
+        "curvature": {"^0$": [f"lowrank:{rank}", "diagonal"], ".*": "diagonal"},
+        "factor_update_steps": factor_steps,
+        "inv_update_steps": inv_steps,
+    }
+
+
 def _one_side(layer: str, side: str) -> dict[str, Any]:
     """Every side diagonal but ``side`` ('A' or 'G') of ``layer``, exact; 10/20."""
     pair = ["exact", "diagonal"] if side == "A" else ["diagonal", "exact"]
@@ -134,6 +147,11 @@ def _arms(args: argparse.Namespace) -> list[tuple[str, Any]]:
     ]
     if args.first_input_side:
         arms.append(("first-input-side", FIRST_INPUT_SIDE))
+    arms += [
+        (f"first-input-r{k}-{f}/{i}", _first_input(k, f, i))
+        for k in args.first_input_ranks
+        for f, i in args.first_input_intervals
+    ]
     if args.per_side:
         arms.append(("all-diagonal", {"curvature": "diagonal", **INTERVALS_10_20}))
         arms += [(f"only-{la}{side}", _one_side(la, side)) for la in LAYERS for side in "AG"]
@@ -260,6 +278,15 @@ def _floats(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v]
 
 
+def _ranks(text: str) -> list[int]:
+    ranks = [int(v) for v in text.split(",") if v]
+    # The ranks the first layer's 785-wide input side allows (SideSpec.check_size).
+    bad = [k for k in ranks if not 1 <= k <= 785]
+    if bad:
+        raise argparse.ArgumentTypeError(f"ranks must be in [1, 785]; got {bad}")
+    return ranks
+
+
 def _intervals(text: str) -> list[tuple[int, int]]:
     pairs = []
     for item in filter(None, text.split(",")):
@@ -279,6 +306,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         dest="first_input_side",
         action="store_false",
         help="leave out the hand-picked arm (FIRST_INPUT_SIDE)",
+    )
+    p.add_argument(
+        "--first-input-ranks",
+        type=_ranks,
+        default=[],
+        help="K,K,...: arms with the first layer's input side in rank K, every other side diagonal",
+    )
+    p.add_argument(
+        "--first-input-intervals",
+        type=_intervals,
+        default=[(10, 20)],
+        help="F/I,F/I,...: the intervals of the --first-input-ranks arms",
     )
     p.add_argument(
         "--per-side",

@@ -27,6 +27,7 @@ def _data() -> FashionMNIST:
 
 def _args(**kw: object) -> argparse.Namespace:
     base = dict(budgets=[0.1, 3.0], exact=[(2, 4)], first_input_side=True, per_side=False,
+                first_input_ranks=[], first_input_intervals=[(10, 20)],
                 target=0.0, batch_size=16, max_steps=6, eval_every=2)  # fmt: skip
     base.update(kw)
     return argparse.Namespace(**base)
@@ -97,6 +98,26 @@ def test_interval_and_budget_lists_parse(bench: ModuleType) -> None:
     assert bench._intervals("10/20,5/10") == [(10, 20), (5, 10)]
     assert bench._intervals("") == [] and bench._floats("") == []
     assert bench._floats("0.1,3") == [0.1, 3.0]
+    assert bench._ranks("8,16") == [8, 16] and bench._ranks("") == []
+    for bad in ("0", "8,786"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"ranks must be in \[1, 785\]"):
+            bench._ranks(bad)
+
+
+@pytest.mark.timeout(120)
+def test_first_input_rank_arms_hold_that_side_in_that_rank(bench: ModuleType) -> None:
+    args = _args(budgets=[], exact=[], first_input_side=False, first_input_ranks=[8, 16],
+                 first_input_intervals=[(10, 20), (40, 80)], max_steps=2)  # fmt: skip
+    names = [name for name, _ in bench._arms(args)]
+    assert names == ["sgd", "first-input-r8-10/20", "first-input-r8-40/80",
+                     "first-input-r16-10/20", "first-input-r16-40/80"]  # fmt: skip
+    run = bench._make_run(names[3], 0.1, 0, dict(bench._arms(args))[names[3]])
+    x = torch.randn(8, 784)
+    torch.nn.functional.cross_entropy(run.model(x), torch.zeros(8, dtype=torch.long)).backward()
+    run.preconditioner.step()
+    held = {view.name: tuple(view.curvature) for view in run.preconditioner.layers}
+    assert held == {"0": ("lowrank:16", "diagonal"), "2": ("diagonal", "diagonal"),
+                    "4": ("diagonal", "diagonal")}  # fmt: skip
 
 
 def _spd(n: int, g: torch.Generator) -> torch.Tensor:
