@@ -23,16 +23,26 @@ far the worst direction the rung leaves is from its preconditioned scale:
 with one learning rate for the whole model, the largest of these over all
 sides bounds the stable step.
 
-**The rule** (:func:`choose_valued`): as the library's, except how the next
-move is picked: the move after which the largest log-ratio over all sides
-(``J``) is smallest, ties to the largest saving (interval moves leave ``J``
-as it is). So sides that do not bind are given up first and the side that
-binds last.
+**The rules** (:func:`choose_valued`, ``--rule``): as the library's, except
+how the next move is picked.
+
+``worst`` (the default)
+    the move after which the largest log-ratio over all sides (``J``) is
+    smallest, ties to the largest saving (interval moves leave ``J`` as it
+    is). So sides that do not bind are given up first and the side that
+    binds last.
+``protect``
+    the library's move (the largest saving), except that the free side
+    whose diagonal leaves the worst direction (the one that binds) is not
+    taken below its lowest low rank while any other move is left. Where
+    the library's choice keeps that side at that rank or above, the two
+    agree.
 
 ::
 
     python benchmarks/value_choice.py mlp --seeds 0,1,2 --budgets 0.1 \\
         --exact "" --no-first-input-side --json results/value_choice_mlp.json
+    python benchmarks/value_choice.py mlp --rule protect --seeds 0,1,2 ...
     python benchmarks/value_choice.py probe --workload small_cnn \\
         --arm kaisa-adamw --lr 0.004 --seeds 0,1,2 --threads 1 --out F
 """
@@ -50,6 +60,8 @@ import kaisa.autochoice as autochoice
 from kaisa.curvature import budget
 from kaisa.curvature.costs import DEFAULT_COST_MODEL, CostModel, SideSpec
 
+#: The rules :func:`choose_valued` knows (module docstring).
+RULES = ("worst", "protect")
 #: Per (layer, 'a' or 'g', rung as text): log of :func:`top_ratio`.
 Values = Mapping[tuple[str, str, str], float]
 
@@ -120,8 +132,11 @@ def choose_valued(
     scale: float = 1.0,
     calibrated: bool = False,
     cost_model: CostModel = DEFAULT_COST_MODEL,
+    rule: str = "worst",
 ) -> budget.BudgetChoice:
-    """The rule of the module docstring; the arguments are ``choose_curvature``'s and values."""
+    """A rule of the module docstring (``rule``); the arguments are ``choose_curvature``'s."""
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}; got {rule!r}")
     ladders = [
         [
             [SideSpec.parse(fixed)] if fixed is not None else budget.ladder(n)
@@ -150,12 +165,38 @@ def choose_valued(
                 out = max(out, values.get(key, 0.0))
         return out
 
+    # 'protect': the free side whose diagonal leaves the worst direction, and its
+    # lowest low rank (its last rung above the Kronecker vector and the diagonal).
+    binding: tuple[int, int] | None = None
+    floor = 0
+    if rule == "protect":
+        valued = [
+            (values.get((layer.name, "ag"[side], "diagonal"), 0.0), k, side)
+            for k, layer in enumerate(layers)
+            for side in (0, 1)
+            if len(ladders[k][side]) > 1
+        ]
+        free = [item for item in valued if item[0] > 0.0]  # no values: no side binds
+        if free:
+            _, k, side = max(free, key=lambda item: (item[0], -item[1], -item[2]))
+            binding = (k, side)
+            rungs = [
+                j for j, spec in enumerate(ladders[k][side]) if spec.kind in ("exact", "lowrank")
+            ]
+            floor = rungs[-1]
+
+    def key(k: int, side: int, rung: int) -> float:
+        """How bad the side move is by the rule (interval moves: the current value)."""
+        if rule == "worst":
+            return round(worst((k, side, rung)), 9)
+        return 1.0 if (k, side) == binding and rung > floor else 0.0
+
     train = sum(budget.training_work(layer) for layer in layers)
     allowed = time_budget * scale * train
     current = total(f, i)
     while current > allowed:
-        now = worst()
-        # (J after, -saving, kind, layer, side, rung); kind 0 a side, 1/2 an interval.
+        now = round(worst(), 9) if rule == "worst" else 0.0
+        # (the rule's key, -saving, kind, layer, side, rung); kind 0 a side, 1/2 an interval.
         moves: list[tuple[float, float, int, int, int, int]] = []
         for k in range(len(layers)):
             here = work(k, index[k], f, i)
@@ -165,18 +206,17 @@ def choose_valued(
                     trial[side] += 1
                     saving = here - work(k, trial, f, i)
                     if saving > 0.0:
-                        after = round(worst((k, side, trial[side])), 9)
-                        moves.append((after, -saving, 0, k, side, trial[side]))
+                        moves.append((key(k, side, trial[side]), -saving, 0, k, side, trial[side]))
                         break
         if factor_update_steps is None and 2 * f <= budget.MAX_FACTOR_STEPS:
             new_i = i if inv_update_steps is not None else max(i, 2 * f)
             saving = current - total(2 * f, new_i)
             if saving > 0.0:
-                moves.append((round(now, 9), -saving, 1, 0, 0, 0))
+                moves.append((now, -saving, 1, 0, 0, 0))
         if inv_update_steps is None and 2 * i <= budget.MAX_INV_STEPS:
             saving = current - total(f, 2 * i)
             if saving > 0.0:
-                moves.append((round(now, 9), -saving, 2, 0, 0, 0))
+                moves.append((now, -saving, 2, 0, 0, 0))
         if not moves:
             break
         _, _, kind, k, side, rung = min(moves)
@@ -211,8 +251,8 @@ def choose_valued(
     )
 
 
-def install() -> None:
-    """Make every automatic choice in this process :func:`choose_valued`'s.
+def install(rule: str = "worst") -> None:
+    """Make every automatic choice in this process :func:`choose_valued`'s under ``rule``.
 
     The values are computed once per preconditioner, at its first choice
     (where every free side captured a gram), and reused by a calibrated one.
@@ -226,7 +266,9 @@ def install() -> None:
             self._side_values = side_values(handlers, reduced, float(hyper.damping))
 
         def valued(works: Any, time_budget: float, **kw: Any) -> budget.BudgetChoice:
-            return choose_valued(works, time_budget, self._side_values, **kw)
+            # The library's own protected side is replaced by the rule's values.
+            kw.pop("protect", None)
+            return choose_valued(works, time_budget, self._side_values, rule=rule, **kw)
 
         autochoice.choose_curvature = valued
         try:
@@ -239,15 +281,27 @@ def install() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
+    args = list(sys.argv[1:] if argv is None else argv)
+    rule = "worst"
+    if "--rule" in args[1:]:
+        at = args.index("--rule", 1)
+        if at + 1 >= len(args) or args[at + 1] not in RULES:
+            print(f"value_choice.py: --rule must be one of {', '.join(RULES)}")
+            return 2
+        rule = args[at + 1]
+        del args[at : at + 2]
     if not args or args[0] not in ("probe", "mlp"):
-        print("usage: value_choice.py {probe,mlp} [steps_probe.py's or budget_value.py's options]")
+        print(
+            "usage: value_choice.py {probe,mlp} [--rule worst|protect] "
+            "[steps_probe.py's or budget_value.py's options]"
+        )
         return 2
-    install()
+    install(rule)
     if args[0] == "probe":
         import steps_probe
 
-        return steps_probe.main(args[1:], variant="value-aware choice")
+        variant = "value-aware choice" + ("" if rule == "worst" else f" ({rule})")
+        return steps_probe.main(args[1:], variant=variant)
     import budget_value
 
     budget_value.main(args[1:])

@@ -7,7 +7,10 @@ of shapes, rows and options). :class:`AutoChoice` is its state over a run:
    *pending*: sides left to it are held exact and capture everything (a
    gram and the moments), so that any representation can start from them;
 2. on that step the front door calls :meth:`AutoChoice.choose` with the
-   all-reduced rows (equal on every rank) and installs the result;
+   all-reduced rows (equal on every rank) and installs the result; the
+   same step's grams give the side the choice protects
+   (:func:`diagonal_mismatch`, :func:`~kaisa.curvature.budget.binding_side`;
+   maxima over ranks, so every rank protects the same side);
 3. with ``calibrate_budget``, :data:`CALIBRATION_STEPS` steps later the choice
    reopens once: the passes timed since (:meth:`pass_started`,
    :meth:`pass_ended`) and one factor update's captures scale the budget's
@@ -21,6 +24,7 @@ communicator for.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -35,6 +39,7 @@ from kaisa.curvature.budget import (
     MIN_INV_STEPS,
     BudgetChoice,
     LayerWork,
+    binding_side,
     choose_curvature,
     operator_scale,
     time_scale,
@@ -46,13 +51,56 @@ from kaisa.options import KFACOptions, StepHyper
 from kaisa.telemetry import Telemetry
 from kaisa.warn import warn
 
-__all__ = ["CALIBRATION_STEPS", "AutoChoice", "FixedSides"]
+__all__ = ["CALIBRATION_STEPS", "AutoChoice", "FixedSides", "diagonal_mismatch"]
 
 log = logging.getLogger("kaisa")
 
 #: Steps between the first automatic choice and its clock calibration
 #: (``calibrate_budget``): their forward and backward passes are timed.
 CALIBRATION_STEPS = 10
+
+#: Power iterations at most for :func:`diagonal_mismatch`, and its relative tolerance.
+MISMATCH_ITERATIONS = 100
+MISMATCH_TOLERANCE = 1e-6
+
+
+def diagonal_mismatch(factor: torch.Tensor, damping: float) -> float:
+    """How far the worst direction a diagonal hold of ``factor`` leaves is from its scale.
+
+    The largest eigenvalue of ``D^{-1/2} (F + γI) D^{-1/2}``, ``F`` the factor
+    scaled to mean eigenvalue 1, ``γ = √damping`` (one side's share of
+    relative damping) and ``D = diag(F) + γ``: 1 when ``F`` is diagonal, large
+    when a few directions dominate across coordinates (a layer's raw inputs).
+    Power iteration in float64 from the all-ones vector (deterministic; at
+    most :data:`MISMATCH_ITERATIONS`), the Rayleigh quotient at the end: a
+    lower bound within :data:`MISMATCH_TOLERANCE` of its last change. 1 for
+    an empty or all-zero factor.
+    """
+    f = factor.detach().to(torch.float64)
+    n = f.shape[0]
+    mean = float(f.diagonal().sum()) / n if n else 0.0
+    if n == 0 or not mean > 0.0 or not math.isfinite(mean):
+        return 1.0
+    gamma = math.sqrt(damping)
+    f = f / mean
+    d = (f.diagonal().clamp_min(0.0) + gamma).rsqrt()
+    m = d[:, None] * f * d[None, :]
+    m.diagonal().add_(gamma * d * d)
+    v = torch.full((n,), n**-0.5, dtype=torch.float64, device=f.device)
+    value = 0.0
+    for _ in range(MISMATCH_ITERATIONS):
+        w = m @ v
+        new = float(v @ w)
+        norm = float(w.norm())
+        if not norm > 0.0:
+            return 1.0
+        v = w / norm
+        if abs(new - value) <= MISMATCH_TOLERANCE * abs(new):
+            value = new
+            break
+        value = new
+    return max(value, 1.0) if math.isfinite(value) else 1.0
+
 
 #: A layer's ``(A, G)`` representations fixed by the user or the layer kind (``None``: automatic).
 FixedSides = tuple[str | None, str | None]
@@ -128,6 +176,11 @@ class AutoChoice:
         # first choice is pending) and the counter while it counts.
         self.forward_calls: int | None = None
         self._counter: OperatorCounter | None = None
+        #: The side the choice protects (:func:`~kaisa.curvature.budget.binding_side`),
+        #: found once, at the first choice, from that step's grams; and whether it is
+        #: known (a restored choice brings its own).
+        self.protect: tuple[str, str] | None = None
+        self._protect_known = False
 
     @classmethod
     def for_layers(
@@ -295,6 +348,9 @@ class AutoChoice:
                 for key in keys[name]
             )
             scale = self._measured_scale(works, capture_work, steps, comm)
+        if not self._protect_known and not self.calibrating:
+            self.protect = self._binding_side(handlers, reduced, hyper.damping, comm)
+            self._protect_known = True
         choice = choose_curvature(
             works,
             self.time_budget,
@@ -308,6 +364,7 @@ class AutoChoice:
             cost_model=self.cost_model,
             scale=scale,
             calibrated=self.calibrating,
+            protect=self.protect,
         )
         previous = self.choice
         if not choice.within_budget and (previous is None or previous.within_budget):
@@ -322,6 +379,7 @@ class AutoChoice:
         """Adopt ``choice`` (made now, or restored from a checkpoint) after ``steps`` steps."""
         self.pending = False
         self.choice = choice
+        self.protect, self._protect_known = choice.protected, True
         self.calibrating = False
         if choice.calibrated or not self.calibrate_budget:
             self.calibrate_at = None
@@ -330,6 +388,33 @@ class AutoChoice:
             self._pass_seconds.clear()
         if log.isEnabledFor(logging.INFO):
             log.info("kaisa: automatic curvature choice at step %d:\n%s", steps, choice.describe())
+
+    def _binding_side(
+        self,
+        handlers: Sequence[tuple[str, LayerHandler]],
+        reduced: Reduced,
+        damping: float,
+        comm: Communicator,
+    ) -> tuple[str, str] | None:
+        """The free side whose diagonal leaves the worst direction, from this step's grams.
+
+        Every side left to the choice captured a gram on this (its first)
+        factor-update step; the mismatches are maxima over ranks, so every
+        rank protects the same side.
+        """
+        keys: list[tuple[str, str]] = []
+        values: list[float] = []
+        for name, _ in handlers:
+            payload = reduced.get(name, {})
+            for k, side in enumerate(("a", "g")):
+                if self.fixed[name][k] is not None or (side, "gram") not in payload:
+                    continue
+                total, _rows = payload[side, "gram"]
+                keys.append((name, side))
+                values.append(diagonal_mismatch(total, damping))
+        if comm.distributed and values:
+            values = comm.max_over_ranks(values)
+        return binding_side(dict(zip(keys, values, strict=True)))
 
     def _measured_scale(
         self, works: Sequence[LayerWork], capture_work: float, steps: int, comm: Communicator

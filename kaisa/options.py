@@ -303,7 +303,11 @@ class KFACOptions:
             first factor-update step kaisa chooses every 'auto' side's
             representation and the intervals left as ``None`` to fit it
             (:mod:`kaisa.curvature.budget`; ``curvature_choice`` holds the
-            outcome). The choice depends on the rows each rank sees. Given
+            outcome). It gives up first the work that saves the most, except
+            for one side: the one whose diagonal would leave the worst
+            direction (measured on that step's factors), which keeps its
+            lowest low rank while anything else can be given up. The choice
+            depends on the rows each rank sees. Given
             intervals that are schedules, it costs the intervals in force
             at that step: a schedule that refreshes often at first and
             rarely later gets the cheap sides of its first intervals (give

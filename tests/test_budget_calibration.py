@@ -165,14 +165,18 @@ def test_a_slow_iteration_widens_the_budget_after_calibration(clock: Clock) -> N
     pre = kaisa.KFACPreconditioner(
         model, lr=0.1, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS
     )
-    first = choose_curvature(mlp_work(), 0.01)
-    calibrated = choose_curvature(mlp_work(), 0.01, scale=MAX_TIME_SCALE, calibrated=True)
+    choices = train(model, pre, range(CALIBRATION_STEPS + 5))
+    # The rule with the side the first choice protected (found from its grams).
+    protect = choices[0].protected if choices[0] is not None else None
+    first = choose_curvature(mlp_work(), 0.01, protect=protect)
+    calibrated = choose_curvature(
+        mlp_work(), 0.01, scale=MAX_TIME_SCALE, calibrated=True, protect=protect
+    )
     # The scenario has teeth: the wider allowance buys more curvature.
     assert calibrated.specs != first.specs or (
         calibrated.factor_update_steps,
         calibrated.inv_update_steps,
     ) != (first.factor_update_steps, first.inv_update_steps)
-    choices = train(model, pre, range(CALIBRATION_STEPS + 5))
     assert choices[:CALIBRATION_STEPS] == [first] * CALIBRATION_STEPS
     assert choices[CALIBRATION_STEPS:] == [calibrated] * 5
     assert [tuple(map(str, la.block.specs)) for la in pre.layers] == list(calibrated.specs.values())
@@ -206,7 +210,9 @@ def test_calibrate_budget_false_keeps_the_cost_models_choice(clock: Clock) -> No
         model, lr=0.1, time_budget=0.01, calibrate_budget=False, cost_model=NO_OPERATORS
     )
     choices = train(model, pre, range(CALIBRATION_STEPS + 3))
-    assert choices == [choose_curvature(mlp_work(), 0.01)] * (CALIBRATION_STEPS + 3)
+    assert choices[0] is not None
+    expected = choose_curvature(mlp_work(), 0.01, protect=choices[0].protected)
+    assert choices == [expected] * (CALIBRATION_STEPS + 3)
 
 
 def test_calibrate_budget_must_be_a_bool() -> None:
@@ -248,9 +254,11 @@ def test_a_choice_saved_before_calibration_is_calibrated_after_loading(clock: Cl
     )
     train(model, pre, range(2))
     state = pre.state_dict()
-    # A checkpoint written before the clock calibration existed lacks its fields.
+    # A checkpoint written before the clock calibration (and the protected side)
+    # existed lacks their fields: it protects nothing.
     saved_choice = dict(state["curvature_choice"])
     assert (saved_choice.pop("time_scale"), saved_choice.pop("calibrated")) == (1.0, False)
+    saved_choice.pop("protected")
     state["curvature_choice"] = saved_choice
     fresh = kaisa.KFACPreconditioner(
         model, lr=0.1, time_budget=0.01, calibrate_budget=True, cost_model=NO_OPERATORS

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kaisa
+from kaisa.autochoice import diagonal_mismatch
 from kaisa.curvature.budget import (
     MAX_FACTOR_STEPS,
     MAX_INV_STEPS,
@@ -30,6 +31,7 @@ from kaisa.curvature.budget import (
     MIN_INV_STEPS,
     BudgetChoice,
     LayerWork,
+    binding_side,
     choose_curvature,
 )
 from kaisa.curvature.costs import DEFAULT_COST_MODEL, CostModel, SideSpec
@@ -207,7 +209,8 @@ def test_with_a_correction_on_the_choice_is_the_plain_one_and_names_what_it_leav
         run(model, pre, range(2))
     choice = pre.curvature_choice
     assert choice is not None and choice.within_budget
-    assert choice == plain.curvature_choice == choose_curvature(mlp_work(), 0.15)
+    assert choice == plain.curvature_choice
+    assert choice == choose_curvature(mlp_work(), 0.15, protect=choice.protected)
     reached = ("exact", "lowrank", "diagonal")
     left = [layer.name for layer in pre.layers if not layer.corrected]
     assert left  # the budget holds a side of this MLP in Kronecker vectors
@@ -528,7 +531,7 @@ def test_the_defaults() -> None:
     run(pre.model, pre, range(1))
     choice = pre.curvature_choice
     assert choice is not None
-    assert choice == choose_curvature(mlp_work(), 0.1)
+    assert choice == choose_curvature(mlp_work(), 0.1, protect=choice.protected)
     assert specs_of(pre) == choice.specs
     assert {(la.a_spec, la.g_spec) for la in pre.plan.layers} == set(choice.specs.values())
     assert pre.hyperparameter("factor_update_steps") == choice.factor_update_steps
@@ -550,7 +553,7 @@ def test_an_unmeetable_budget_warns_once_and_takes_the_cheapest() -> None:
     assert choice is not None and not choice.within_budget
     # (No clock calibration by default: the cost model's choice, made once.)
     assert not choice.calibrated
-    assert choice == choose_curvature(mlp_work(), 1e-6)
+    assert choice == choose_curvature(mlp_work(), 1e-6, protect=choice.protected)
     assert specs_of(pre) == {"fc1": ("diagonal", "diagonal"), "fc2": ("diagonal", "diagonal")}
     assert pre.hyperparameter("factor_update_steps") == MAX_FACTOR_STEPS
     assert pre.hyperparameter("inv_update_steps") == MAX_INV_STEPS
@@ -584,7 +587,8 @@ def test_a_per_layer_override_is_kept_and_the_rest_is_chosen() -> None:
     with pytest.warns(RuntimeWarning, match=UNMEETABLE):
         run(model, pre, range(1))
     choice = pre.curvature_choice
-    assert choice == choose_curvature(mlp_work(fc1=("kvec", None)), 1e-6)
+    assert choice is not None
+    assert choice == choose_curvature(mlp_work(fc1=("kvec", None)), 1e-6, protect=choice.protected)
     # kvec stays although diagonal is cheaper; the free sides go to the bottom.
     assert specs_of(pre) == {"fc1": ("kvec", "diagonal"), "fc2": ("diagonal", "diagonal")}
 
@@ -621,7 +625,9 @@ def test_fixed_intervals_are_kept_and_the_decay_follows_them(
     assert choice is not None
     assert choice.factor_update_steps == factor_update_steps
     assert not choice.calibrated  # no clock by default
-    assert choice == choose_curvature(mlp_work(), 1e6, factor_update_steps=factor_update_steps)
+    assert choice == choose_curvature(
+        mlp_work(), 1e6, factor_update_steps=factor_update_steps, protect=choice.protected
+    )
     assert pre.hyperparameter("factor_update_steps") == factor_update_steps
     assert pre.hyperparameter("inv_update_steps") == choice.inv_update_steps
     assert pre.hyperparameter("factor_decay") == pytest.approx(decay)
@@ -948,3 +954,120 @@ def test_a_choice_costed_on_a_schedule_says_so_once() -> None:
     specs, messages = _schedule_choice(early, curvature="exact")
     assert specs == {}  # no choice made
     assert not any("schedule" in m for m in messages), messages
+
+
+# -- the protected side: the one whose diagonal would bind ---------------------------------------
+
+
+def _pixel_mlp_work(rows: float = 128.0) -> list[LayerWork]:
+    """The budget's view of a 784-256-256-10 MLP (a cheap step, a wide first input side)."""
+    return [
+        LayerWork.from_rows("0", 785, 256, rows),
+        LayerWork.from_rows("2", 257, 256, rows),
+        LayerWork.from_rows("4", 257, 10, rows),
+    ]
+
+
+def test_the_protected_side_keeps_its_lowest_low_rank_while_other_moves_are_left() -> None:
+    work = _pixel_mlp_work()
+    plain = choose_curvature(work, 0.2)
+    # The largest saving gives the widest side up first, down to the diagonal.
+    assert plain.specs["0"][0] == "diagonal" and plain.protected is None
+    protected = choose_curvature(work, 0.2, protect=("0", "a"))
+    assert protected.protected == ("0", "a")
+    assert protected.specs["0"][0] == "lowrank:8" and protected.within_budget
+    assert protected.kfac_work <= 0.2 * protected.training_work
+    # The other sides paid for it.
+    assert protected.specs["2"] != plain.specs["2"] or protected.specs["4"] != plain.specs["4"]
+    # Where the budget cannot be met, the protected side goes last, to the cheapest.
+    cheapest = choose_curvature(work, 1e-9, protect=("0", "a"))
+    assert cheapest == dataclasses.replace(choose_curvature(work, 1e-9), protected=("0", "a"))
+    assert set(cheapest.specs.values()) == {("diagonal", "diagonal")}
+
+
+def test_protecting_a_side_the_rule_keeps_changes_nothing_but_the_record() -> None:
+    work = _pixel_mlp_work()
+    for budget in (0.05, 0.2, 1.0, 1e6):
+        plain = choose_curvature(work, budget)
+        for name, (a, _g) in plain.specs.items():
+            if a == "exact" or a.startswith("lowrank:"):
+                kept = choose_curvature(work, budget, protect=(name, "a"))
+                assert kept == dataclasses.replace(plain, protected=(name, "a"))
+
+
+def test_a_fixed_or_unknown_side_is_not_protected() -> None:
+    work = mlp_work(fc1=("kvec", None))
+    plain = choose_curvature(work, 1e-6)
+    assert choose_curvature(work, 1e-6, protect=("fc1", "a")) == plain
+    assert choose_curvature(work, 1e-6, protect=("fc9", "g")) == plain
+
+
+def test_binding_side_is_the_largest_mismatch_above_one() -> None:
+    assert binding_side({}) is None
+    assert binding_side({("a", "a"): 1.0, ("b", "g"): 0.5}) is None
+    assert binding_side({("a", "a"): 3.0, ("b", "g"): 7.0, ("c", "a"): 7.0}) == ("b", "g")
+
+
+def _dense_mismatch(factor: torch.Tensor, damping: float) -> float:
+    f = factor.double() / (factor.double().trace() / factor.shape[0])
+    gamma = damping**0.5
+    d = torch.diag((f.diagonal() + gamma).rsqrt())
+    m = d @ (f + gamma * torch.eye(f.shape[0], dtype=torch.float64)) @ d
+    return float(torch.linalg.eigvalsh(m)[-1])
+
+
+@pytest.mark.parametrize("n", [1, 7, 40])
+def test_diagonal_mismatch_matches_a_dense_float64_reference(n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    rows = torch.randn(3 * n + 4, n, generator=g, dtype=torch.float64)
+    rows[:, 0] += 6.0  # a dominant mean direction, as raw inputs have
+    factor = (rows.t() @ rows / rows.shape[0]).float()
+    got = diagonal_mismatch(5.0 * factor, 0.03)
+    assert got == pytest.approx(max(_dense_mismatch(factor, 0.03), 1.0), rel=1e-5)
+    # A diagonal factor leaves nothing: ratio 1 (up to rounding); an empty one too.
+    assert diagonal_mismatch(torch.diag(factor.diagonal()), 0.03) == pytest.approx(1.0)
+    assert diagonal_mismatch(torch.zeros(n, n), 0.03) == 1.0
+
+
+class _PixelMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(64, 64)
+        self.fc2 = nn.Linear(64, 64)
+        self.fc3 = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+def test_the_preconditioner_protects_the_inputs_that_bind() -> None:
+    """Inputs with a few directions shared across coordinates (pixels with a common
+    intensity): the first layer's input side is the one the choice protects."""
+    torch.manual_seed(0)
+    model = _PixelMLP()
+    # The default budget, at which the largest saving would give that side up.
+    pre = kaisa.KFACPreconditioner(model, lr=0.1, cost_model=NO_OPERATORS)
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(128, 3, generator=gen) @ torch.randn(3, 64, generator=gen) * 4.0
+    x = 10.0 + base + 0.1 * torch.randn(128, 64, generator=gen)  # a common intensity
+    F.cross_entropy(model(x), torch.randint(0, 4, (128,), generator=gen)).backward()
+    pre.step()
+    choice = pre.curvature_choice
+    assert choice is not None and choice.protected == ("fc1", "a")
+    assert choice.specs["fc1"][0].startswith("lowrank:")
+    work = [
+        LayerWork.from_rows(name, 65, g, 128) for name, g in (("fc1", 64), ("fc2", 64), ("fc3", 4))
+    ]
+    kw: dict[str, Any] = {"cost_model": NO_OPERATORS, "scale": choice.time_scale}
+    assert choice == choose_curvature(work, 0.1, protect=("fc1", "a"), **kw)
+    # Without the protection the largest saving would have given that side up.
+    assert choose_curvature(work, 0.1, **kw).specs["fc1"][0] == "diagonal"
+    # The record survives a checkpoint, and old checkpoints without it protect nothing.
+    state = choice.state_dict()
+    assert BudgetChoice.from_state(state) == choice
+    assert BudgetChoice.from_state({**state, "protected": ["fc1", "a"]}) == choice
+    del state["protected"]
+    assert BudgetChoice.from_state(state).protected is None
+    for bad in (["fc1"], ["fc1", "b"], "fc1", [1, "a"]):
+        with pytest.raises(ValueError, match="'protected' must be None or a pair"):
+            BudgetChoice.from_state({**choice.state_dict(), "protected": bad})

@@ -80,14 +80,17 @@ def _mlp_works(rows: float = 128.0) -> list[LayerWork]:
     ]
 
 
+@pytest.mark.parametrize("rule", ["worst", "protect"])
 @pytest.mark.parametrize("budget_", [0.05, 0.1, 0.5, 2.0])
 @pytest.mark.parametrize("intervals", [(None, None), (5, 5), (10, None)])
 def test_without_values_the_rule_is_the_librarys(
-    bench: ModuleType, budget_: float, intervals: tuple[int | None, int | None]
+    bench: ModuleType, rule: str, budget_: float, intervals: tuple[int | None, int | None]
 ) -> None:
     f, i = intervals
     works = _mlp_works()
-    ours = bench.choose_valued(works, budget_, {}, factor_update_steps=f, inv_update_steps=i)
+    ours = bench.choose_valued(
+        works, budget_, {}, factor_update_steps=f, inv_update_steps=i, rule=rule
+    )
     theirs = choose_curvature(works, budget_, factor_update_steps=f, inv_update_steps=i)
     assert ours == theirs
 
@@ -107,6 +110,23 @@ def test_the_side_that_binds_is_given_up_last(bench: ModuleType) -> None:
     valued = bench.choose_valued(works, 0.2, values)
     assert valued.within_budget and valued.kfac_work <= plain.budget * plain.training_work
     assert valued.specs["0"][0].startswith("lowrank:")
+    # 'protect' takes the library's moves but keeps the binding side at its lowest low rank.
+    protected = bench.choose_valued(works, 0.2, values, rule="protect")
+    assert protected.within_budget and protected.specs["0"][0] == "lowrank:8"
+    with pytest.raises(ValueError, match="rule must be one of"):
+        bench.choose_valued(works, 0.2, values, rule="best")
+
+
+def test_protect_agrees_with_the_library_where_it_keeps_the_binding_side(
+    bench: ModuleType,
+) -> None:
+    works = _mlp_works()
+    plain = choose_curvature(works, 2.0)
+    bound = next(
+        name for name, (a, _) in plain.specs.items() if a == "exact" or a.startswith("lowrank:")
+    )
+    values = {(bound, "a", "diagonal"): 3.0}
+    assert bench.choose_valued(works, 2.0, values, rule="protect") == plain
 
 
 @pytest.mark.timeout(120)

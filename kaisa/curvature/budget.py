@@ -9,9 +9,10 @@ of K-FAC work weighed against a training pass's multiply-adds by a
 :class:`~kaisa.curvature.costs.CostModel` (``cost_model``; by default
 :data:`~kaisa.curvature.costs.DEFAULT_COST_MODEL`, and
 ``benchmarks/cost_weights.py`` measures the weights on the machine it runs
-on), so the choice is a pure function of shapes, rows, options and weights:
-every rank that sees the same rows reaches the same choice, and a test can
-check it without a clock.
+on), so the choice is a pure function of shapes, rows, options, weights
+and the protected side (step 2, found from the first factor update's
+all-reduced factors): every rank that sees the same rows reaches the same
+choice, and a test can check it without a clock.
 
 The rule, in full:
 
@@ -30,6 +31,13 @@ The rule, in full:
    layer given a Kronecker-vector side keeps K-FAC's solve (SmallCNN took
    800 steps with its 3137-wide input side corrected on its diagonal, 300
    with it in rank 128 uncorrected: ``benchmarks/README.md``, session 23).
+   One side is protected (``protect``, from :func:`binding_side`): the
+   free side whose diagonal would leave the worst direction, the one that
+   bounds the step a single learning rate can take. Moves that take it
+   below its lowest low rank wait until no other move is left. (On a
+   cheap-step MLP the widest side, the first layer's pixels, is the one
+   that buys the steps, and the largest saving would give it up first:
+   ``benchmarks/README.md``, "An automatic choice judged by what it buys".)
 3. When no move is left the choice is the cheapest one and
    :attr:`BudgetChoice.within_budget` is ``False`` (the caller warns once).
 4. When the choice fits and the inverse interval is free, spend what is left
@@ -83,6 +91,7 @@ __all__ = [
     "MIN_INV_STEPS",
     "BudgetChoice",
     "LayerWork",
+    "binding_side",
     "choose_curvature",
     "kfac_work",
     "ladder",
@@ -169,6 +178,9 @@ class BudgetChoice:
     time_scale: float = 1.0
     #: Whether this choice was made after the clock calibration.
     calibrated: bool = False
+    #: The side kept at its lowest low rank or above while other moves were
+    #: left (``(layer, 'a' | 'g')``; ``None``: none).
+    protected: tuple[str, str] | None = None
 
     @property
     def share(self) -> float:
@@ -195,7 +207,7 @@ class BudgetChoice:
         if not isinstance(saved, Mapping):
             raise TypeError(f"{where} must be a dict or None; got {type(saved).__name__}")
         names = [f.name for f in dataclasses.fields(cls)]
-        optional = ("time_scale", "calibrated")
+        optional = ("time_scale", "calibrated", "protected")
         missing = [name for name in names if name not in saved and name not in optional]
         unexpected = sorted(repr(key) for key in saved if key not in names)
         if missing or unexpected:
@@ -247,6 +259,19 @@ class BudgetChoice:
             raise ValueError(
                 f"{where}: 'time_scale' must be a number in [1, {MAX_TIME_SCALE:g}]; got {scale!r}"
             )
+        protected = saved.get("protected")
+        if protected is not None:
+            if (
+                not isinstance(protected, (list, tuple))
+                or len(protected) != 2
+                or not isinstance(protected[0], str)
+                or protected[1] not in ("a", "g")
+            ):
+                raise ValueError(
+                    f"{where}: 'protected' must be None or a pair (layer name, 'a' or 'g'); "
+                    f"got {protected!r}"
+                )
+            protected = (protected[0], protected[1])
         return cls(
             specs=specs,
             factor_update_steps=factor_steps,
@@ -257,6 +282,7 @@ class BudgetChoice:
             within_budget=within,
             time_scale=float(scale),
             calibrated=calibrated,
+            protected=protected,
         )
 
     def describe(self) -> str:
@@ -268,6 +294,9 @@ class BudgetChoice:
             f"{self.inv_update_steps} steps"
             + ("" if self.within_budget else " (over budget: cheapest choice)")
         ]
+        if self.protected is not None:
+            name, side = self.protected
+            lines.append(f"  protected: {name} {side.upper()} (the side that binds)")
         for name, (a, g) in self.specs.items():
             lines.append(f"  {name}: A {a}, G {g}")
         return "\n".join(lines)
@@ -330,13 +359,17 @@ def choose_curvature(
     scale: float = 1.0,
     calibrated: bool = False,
     cost_model: CostModel = DEFAULT_COST_MODEL,
+    protect: tuple[str, str] | None = None,
 ) -> BudgetChoice:
     """Apply the rule of the module docstring; ``None`` intervals are free to choose.
 
     ``scale`` (from :func:`time_scale`) multiplies the allowance:
     ``time_budget * scale * training work``. ``cost_model`` weighs K-FAC's
     kinds of work against the training multiply-adds (measure one for your
-    machine with ``benchmarks/cost_weights.py``).
+    machine with ``benchmarks/cost_weights.py``). ``protect``: ``(layer
+    name, 'a' | 'g')``, the side kept at its lowest low rank or above while
+    any other move is left (:func:`binding_side`); ignored when that side
+    is fixed or not among ``layers``.
     """
     if isinstance(time_budget, bool) or not isinstance(time_budget, (int, float)):
         raise TypeError(f"time_budget must be a number > 0; got {time_budget!r}")
@@ -357,6 +390,18 @@ def choose_curvature(
         index.append([0, 0])
     f = factor_update_steps if factor_update_steps is not None else MIN_FACTOR_STEPS
     i = inv_update_steps if inv_update_steps is not None else max(MIN_INV_STEPS, f)
+    # The protected side, as (layer index, side), and the last rung it may take
+    # while other moves are left: its lowest low rank (exact if it has none).
+    guarded: tuple[int, int] | None = None
+    floor = 0
+    names = [layer.name for layer in layers]
+    if protect is not None and protect[0] in names and protect[1] in ("a", "g"):
+        k, side = names.index(protect[0]), "ag".index(protect[1])
+        if len(ladders[k][side]) > 1:
+            guarded = (k, side)
+            floor = max(
+                j for j, spec in enumerate(ladders[k][side]) if spec.kind in ("exact", "lowrank")
+            )
 
     def work(k: int, rungs: Sequence[int], f_: int, i_: int) -> float:
         sa, sg = ladders[k][0][rungs[0]], ladders[k][1][rungs[1]]
@@ -370,6 +415,7 @@ def choose_curvature(
     current = total(f, i)
     while current > allowed:
         best: tuple[float, int, int, int, int] | None = None  # (saving, kind, layer, side, rung)
+        waiting: tuple[float, int, int, int, int] | None = None  # the protected side's move
         for k in range(len(layers)):
             here = work(k, index[k], f, i)
             for side in (0, 1):
@@ -380,7 +426,9 @@ def choose_curvature(
                     trial[side] += 1
                     saving = here - work(k, trial, f, i)
                     if saving > 0.0:
-                        if best is None or saving > best[0]:
+                        if (k, side) == guarded and trial[side] > floor:
+                            waiting = (saving, 0, k, side, trial[side])
+                        elif best is None or saving > best[0]:
                             best = (saving, 0, k, side, trial[side])
                         break
         if factor_update_steps is None and 2 * f <= MAX_FACTOR_STEPS:
@@ -392,6 +440,8 @@ def choose_curvature(
             saving = current - total(f, 2 * i)
             if best is None or saving > best[0]:
                 best = (saving, 2, 0, 0, 0)
+        if best is None or best[0] <= 0.0:
+            best = waiting
         if best is None or best[0] <= 0.0:
             break
         _, kind, k, side, rung = best
@@ -424,7 +474,22 @@ def choose_curvature(
         within_budget=current <= allowed,
         time_scale=float(scale),
         calibrated=calibrated,
+        protected=None if guarded is None else (names[guarded[0]], "ag"[guarded[1]]),
     )
+
+
+def binding_side(mismatch: Mapping[tuple[str, str], float]) -> tuple[str, str] | None:
+    """The side with the largest mismatch above 1 (ties: the first), or ``None``.
+
+    ``mismatch``: per ``(layer name, 'a' | 'g')``, what a diagonal hold of
+    the side leaves (:func:`kaisa.autochoice.diagonal_mismatch`).
+    """
+    best: tuple[str, str] | None = None
+    top = 1.0
+    for key, value in mismatch.items():
+        if value > top:
+            best, top = key, value
+    return best
 
 
 def _rounded_scale(ratio: float) -> float:

@@ -4,7 +4,9 @@ Each rank captures its own share of the batch, but the choice is made from
 the rows all-reduced with the factors at the first factor-update step (their
 mean per rank), so every rank reaches the same :class:`BudgetChoice` and the
 same work plan, even when the ranks see different numbers of rows, and it is
-what :func:`kaisa.curvature.budget.choose_curvature` gives for those rows.
+what :func:`kaisa.curvature.budget.choose_curvature` gives for those rows and
+the side it protects, which every rank finds from the all-reduced grams and
+one process finds from the same rows.
 Training then continues in lockstep: identical weights on every rank.
 """
 
@@ -16,7 +18,7 @@ from harness import average_gradients, run_distributed
 from torch import nn
 
 import kaisa
-from kaisa.curvature.budget import BudgetChoice, LayerWork, choose_curvature
+from kaisa.curvature.budget import LayerWork, choose_curvature
 from kaisa.curvature.costs import CostModel
 from kaisa.distributed.plan import LayerShape, make_plan
 
@@ -34,13 +36,12 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, CLASSES))
 
 
-def expected_choice() -> BudgetChoice:
-    """The choice for one rank's mean rows, from the budget alone (Linear layers: plain rows)."""
-    works = [
+def expected_works() -> list[LayerWork]:
+    """The budget's view of one rank's mean rows (Linear layers: plain rows)."""
+    return [
         LayerWork.from_rows("0", IN + 1, HIDDEN, MEAN_ROWS),
         LayerWork.from_rows("2", HIDDEN + 1, CLASSES, MEAN_ROWS),
     ]
-    return choose_curvature(works, 0.1)
 
 
 def _averaged_backward(model: nn.Module, rank: int, world_size: int, gen: torch.Generator) -> None:
@@ -87,14 +88,35 @@ def _worker(rank: int, world_size: int) -> dict[str, dict[str, object]]:
     return {fraction: _train(rank, world_size, fraction) for fraction in FRACTIONS}
 
 
+def _single_process_protect() -> tuple[str, str] | None:
+    """The side one process protects when it sees every rank's first rows at once."""
+    model = make_model()
+    pre = kaisa.KFACPreconditioner(model, lr=0.1, cost_model=CostModel(operator=1e-12))
+    xs, ys = [], []
+    for rank in range(WORLD_SIZE):
+        gen = torch.Generator().manual_seed(100 + rank)
+        xs.append(torch.randn(LOCAL_ROWS[rank], IN, generator=gen))
+        ys.append(torch.randint(0, CLASSES, (LOCAL_ROWS[rank],), generator=gen))
+    F.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
+    pre.step()
+    assert pre.curvature_choice is not None
+    return pre.curvature_choice.protected
+
+
 def test_every_rank_makes_the_budgets_choice() -> None:
-    expected = expected_choice()
-    # The scenario has teeth: the choice is neither all exact nor one kind everywhere.
-    kinds = {spec.split(":")[0] for sides in expected.specs.values() for spec in sides}
-    assert len(kinds) > 1 and kinds != {"exact"}, expected
     results = run_distributed(_worker, WORLD_SIZE, timeout=120)
     for fraction in FRACTIONS:
         where = f"fraction {fraction}"
+        # The protected side comes from the all-reduced grams: one side on every rank.
+        protected = {results[rank][fraction]["choices"][0].protected for rank in range(WORLD_SIZE)}
+        assert len(protected) == 1, f"{where}: the ranks protect {protected}"
+        (protect,) = protected
+        assert protect is not None, where
+        assert protect == _single_process_protect(), where
+        expected = choose_curvature(expected_works(), 0.1, protect=protect)
+        # The scenario has teeth: the choice is neither all exact nor one kind everywhere.
+        kinds = {spec.split(":")[0] for sides in expected.specs.values() for spec in sides}
+        assert len(kinds) > 1 and kinds != {"exact"}, expected
         provisional = make_plan(
             [LayerShape("0", IN + 1, HIDDEN), LayerShape("2", HIDDEN + 1, CLASSES)],
             WORLD_SIZE,
@@ -168,13 +190,12 @@ def _calibrate(rank: int, world_size: int) -> dict[str, object]:
 def test_the_clock_calibration_is_the_same_on_every_rank() -> None:
     from kaisa.curvature.budget import MAX_TIME_SCALE
 
-    works = [
-        LayerWork.from_rows("0", IN + 1, HIDDEN, MEAN_ROWS),
-        LayerWork.from_rows("2", HIDDEN + 1, CLASSES, MEAN_ROWS),
-    ]
-    expected = choose_curvature(works, 0.01, scale=MAX_TIME_SCALE, calibrated=True)
-    assert expected.specs != choose_curvature(works, 0.01).specs  # the scale changes something
+    works = expected_works()
     results = run_distributed(_calibrate, WORLD_SIZE, timeout=120)
+    protect = results[0]["choice"].protected
+    expected = choose_curvature(works, 0.01, scale=MAX_TIME_SCALE, calibrated=True, protect=protect)
+    # The scale changes something.
+    assert expected.specs != choose_curvature(works, 0.01, protect=protect).specs
     for rank in range(WORLD_SIZE):
         assert results[rank]["choice"] == expected, f"rank {rank}"
         assert torch.equal(results[rank]["weights"], results[0]["weights"]), f"rank {rank}"
