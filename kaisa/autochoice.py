@@ -71,25 +71,33 @@ def diagonal_mismatch(factor: torch.Tensor, damping: float) -> float:
     scaled to mean eigenvalue 1, ``γ = √damping`` (one side's share of
     relative damping) and ``D = diag(F) + γ``: 1 when ``F`` is diagonal, large
     when a few directions dominate across coordinates (a layer's raw inputs).
-    Power iteration in float64 from the all-ones vector (deterministic; at
-    most :data:`MISMATCH_ITERATIONS`), the Rayleigh quotient at the end: a
-    lower bound within :data:`MISMATCH_TOLERANCE` of its last change. 1 for
-    an empty or all-zero factor.
+    Power iteration from the all-ones vector (deterministic; at most
+    :data:`MISMATCH_ITERATIONS` products with ``F`` in its own float32 or
+    float64, the scalings and vectors in float64, no copy of ``F`` unless it
+    is in a lower precision), the Rayleigh quotient at the end: a lower bound
+    within :data:`MISMATCH_TOLERANCE` of its last change. 1 for an empty or
+    all-zero factor.
     """
-    f = factor.detach().to(torch.float64)
+    f = factor.detach()
+    if f.dtype not in (torch.float32, torch.float64):
+        f = f.float()
     n = f.shape[0]
-    mean = float(f.diagonal().sum()) / n if n else 0.0
+    diagonal = f.diagonal().to(torch.float64)
+    mean = float(diagonal.sum()) / n if n else 0.0
     if n == 0 or not mean > 0.0 or not math.isfinite(mean):
         return 1.0
     gamma = math.sqrt(damping)
-    f = f / mean
-    d = (f.diagonal().clamp_min(0.0) + gamma).rsqrt()
-    m = d[:, None] * f * d[None, :]
-    m.diagonal().add_(gamma * d * d)
+    d = (diagonal / mean).clamp_min(0.0).add(gamma).rsqrt()
+    shift = gamma * d * d
+
+    def product(v: torch.Tensor) -> torch.Tensor:
+        """``D^{-1/2} (F/mean + γI) D^{-1/2} v`` without forming the matrix."""
+        return d * (f @ (d * v).to(f.dtype)).to(torch.float64) / mean + shift * v
+
     v = torch.full((n,), n**-0.5, dtype=torch.float64, device=f.device)
     value = 0.0
     for _ in range(MISMATCH_ITERATIONS):
-        w = m @ v
+        w = product(v)
         new = float(v @ w)
         norm = float(w.norm())
         if not norm > 0.0:

@@ -1024,6 +1024,9 @@ def test_diagonal_mismatch_matches_a_dense_float64_reference(n: int) -> None:
     factor = (rows.t() @ rows / rows.shape[0]).float()
     got = diagonal_mismatch(5.0 * factor, 0.03)
     assert got == pytest.approx(max(_dense_mismatch(factor, 0.03), 1.0), rel=1e-5)
+    # In float64 and in bfloat16 (products in float32) the same value.
+    assert diagonal_mismatch(factor.double(), 0.03) == pytest.approx(got, rel=1e-5)
+    assert diagonal_mismatch(factor.bfloat16(), 0.03) == pytest.approx(got, rel=2e-2)
     # A diagonal factor leaves nothing: ratio 1 (up to rounding); an empty one too.
     assert diagonal_mismatch(torch.diag(factor.diagonal()), 0.03) == pytest.approx(1.0)
     assert diagonal_mismatch(torch.zeros(n, n), 0.03) == 1.0
