@@ -1,14 +1,16 @@
-"""An automatic choice judged by what each side buys: an experiment the library does not offer.
+"""An automatic choice judged by what each side buys: the experiment behind the protected side.
 
 Issue 31 (item 2) asks for the automatic curvature choice to weigh what
 curvature buys, not only what it costs. The library's rule
-(:func:`kaisa.curvature.budget.choose_curvature`) moves, while over budget,
-whichever side or interval saves the most work; on a cheap-step MLP that is
+(:func:`kaisa.curvature.budget.choose_curvature`) moved, while over budget,
+whichever side or interval saved the most work; on a cheap-step MLP that is
 the first layer's 785-wide input side, the one side that buys the steps
 (``benchmarks/README.md``, "What a larger budget buys"). This script patches
 the choice, in process, with a rule that also sees a value per side and
 rung, and runs ``steps_probe.py`` (``probe``) or ``budget_value.py``
-(``mlp``) with it. Nothing here is asserted.
+(``mlp``) with it. Nothing here is asserted. The library has since taken
+the ``protect`` rule below as its own (``choose_curvature(protect=)``), so
+under this script ``protect`` repeats it and ``worst`` is the experiment.
 
 **The value** (:func:`top_ratio`): for each side, from the first
 factor-update step's gram (the choice is made there, every free side held
