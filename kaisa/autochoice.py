@@ -184,11 +184,6 @@ class AutoChoice:
         # first choice is pending) and the counter while it counts.
         self.forward_calls: int | None = None
         self._counter: OperatorCounter | None = None
-        #: The side the choice protects (:func:`~kaisa.curvature.budget.binding_side`),
-        #: found once, at the first choice, from that step's grams; and whether it is
-        #: known (a restored choice brings its own).
-        self.protect: tuple[str, str] | None = None
-        self._protect_known = False
 
     @classmethod
     def for_layers(
@@ -356,9 +351,14 @@ class AutoChoice:
                 for key in keys[name]
             )
             scale = self._measured_scale(works, capture_work, steps, comm)
-        if not self._protect_known and not self.calibrating:
-            self.protect = self._binding_side(handlers, reduced, hyper.damping, comm)
-            self._protect_known = True
+        # The protected side is found once, at the first choice (where every free
+        # side captured a gram); a later one (the calibration) keeps the installed
+        # choice's, which a checkpoint restores with it.
+        protect = (
+            self.choice.protected
+            if self.choice is not None
+            else self._binding_side(handlers, reduced, hyper.damping, comm)
+        )
         choice = choose_curvature(
             works,
             self.time_budget,
@@ -372,7 +372,7 @@ class AutoChoice:
             cost_model=self.cost_model,
             scale=scale,
             calibrated=self.calibrating,
-            protect=self.protect,
+            protect=protect,
         )
         previous = self.choice
         if not choice.within_budget and (previous is None or previous.within_budget):
@@ -387,7 +387,6 @@ class AutoChoice:
         """Adopt ``choice`` (made now, or restored from a checkpoint) after ``steps`` steps."""
         self.pending = False
         self.choice = choice
-        self.protect, self._protect_known = choice.protected, True
         self.calibrating = False
         if choice.calibrated or not self.calibrate_budget:
             self.calibrate_at = None
