@@ -36,9 +36,9 @@ how the next move is picked.
 ``protect``
     the library's move (the largest saving), except that the free side
     whose diagonal leaves the worst direction (the one that binds) is not
-    taken below its lowest low rank while any other move is left. Where
-    the library's choice keeps that side at that rank or above, the two
-    agree.
+    taken below its lowest low rank while any other move is left: now the
+    library's own rule (``choose_curvature(protect=)``), here with the
+    side these values find.
 
 ::
 
@@ -139,6 +139,25 @@ def choose_valued(
     """A rule of the module docstring (``rule``); the arguments are ``choose_curvature``'s."""
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}; got {rule!r}")
+    if rule == "protect":
+        # The library's rule, protecting the free side these values say binds.
+        mismatch = {
+            (layer.name, side): math.exp(values.get((layer.name, side, "diagonal"), 0.0))
+            for layer in layers
+            for side, fixed in (("a", layer.a_fixed), ("g", layer.g_fixed))
+            if fixed is None
+        }
+        return budget.choose_curvature(
+            layers,
+            time_budget,
+            factor_update_steps=factor_update_steps,
+            inv_update_steps=inv_update_steps,
+            compute_method=compute_method,
+            scale=scale,
+            calibrated=calibrated,
+            cost_model=cost_model,
+            protect=budget.binding_side(mismatch),
+        )
     ladders = [
         [
             [SideSpec.parse(fixed)] if fixed is not None else budget.ladder(n)
@@ -167,37 +186,15 @@ def choose_valued(
                 out = max(out, values.get(key, 0.0))
         return out
 
-    # 'protect': the free side whose diagonal leaves the worst direction, and its
-    # lowest low rank (its last rung above the Kronecker vector and the diagonal).
-    binding: tuple[int, int] | None = None
-    floor = 0
-    if rule == "protect":
-        valued = [
-            (values.get((layer.name, "ag"[side], "diagonal"), 0.0), k, side)
-            for k, layer in enumerate(layers)
-            for side in (0, 1)
-            if len(ladders[k][side]) > 1
-        ]
-        free = [item for item in valued if item[0] > 0.0]  # no values: no side binds
-        if free:
-            _, k, side = max(free, key=lambda item: (item[0], -item[1], -item[2]))
-            binding = (k, side)
-            rungs = [
-                j for j, spec in enumerate(ladders[k][side]) if spec.kind in ("exact", "lowrank")
-            ]
-            floor = rungs[-1]
-
     def key(k: int, side: int, rung: int) -> float:
-        """How bad the side move is by the rule (interval moves: the current value)."""
-        if rule == "worst":
-            return round(worst((k, side, rung)), 9)
-        return 1.0 if (k, side) == binding and rung > floor else 0.0
+        """``J`` after moving ``side`` of layer ``k`` to ``rung`` (interval moves: ``J`` now)."""
+        return round(worst((k, side, rung)), 9)
 
     train = sum(budget.training_work(layer) for layer in layers)
     allowed = time_budget * scale * train
     current = total(f, i)
     while current > allowed:
-        now = round(worst(), 9) if rule == "worst" else 0.0
+        now = round(worst(), 9)
         # (the rule's key, -saving, kind, layer, side, rung); kind 0 a side, 1/2 an interval.
         moves: list[tuple[float, float, int, int, int, int]] = []
         for k in range(len(layers)):
