@@ -1,0 +1,266 @@
+"""What the protected side's measure costs: Lanczos (the library) against a power iteration.
+
+At the first factor update the automatic choice measures, for every free
+side, what holding it diagonal would leave
+(:func:`kaisa.autochoice.diagonal_mismatch`: the largest eigenvalue of the
+diagonally scaled factor, from products with the factor). Session 40 found
+it by power iteration (at most 100 products, relative tolerance 1e-6);
+session 41 by Lanczos with full reorthogonalisation (at most
+:data:`kaisa.autochoice.MISMATCH_ITERATIONS` products). Each product reads
+the whole ``n × n`` factor, so the measure is bound by memory where the
+gram product that made the factor (``rows × n²`` multiply-adds) is bound by
+arithmetic.
+
+For each width and kind of factor (a gram of ``--rows`` rows: ``wishart``,
+independent Gaussian rows, whose top eigenvalues cluster; ``mean``, the
+same with a dominant mean, as a layer's raw inputs; ``lowrank``, rows near
+a 64-dimensional subspace) this times, in lockstep (the arms alternate
+within every repeat), the gram product, the library's measure and the power
+iteration, counts each one's products with the factor, and, up to
+``--dense-up-to``, compares both values with a dense float64 eigenvalue.
+Reported: medians over repeats, products, relative errors, the load before
+and after. Nothing is asserted. ::
+
+    python benchmarks/mismatch_cost.py --threads 2 --sizes 1024,4096,8192 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import LoadRecord, add_json_option, format_table, machine_info, set_threads, write_json
+
+from kaisa.autochoice import diagonal_mismatch
+
+KINDS = ("wishart", "mean", "lowrank")
+
+#: Session 40's power iteration: products at most, relative tolerance.
+POWER_ITERATIONS = 100
+POWER_TOLERANCE = 1e-6
+
+
+class CountingFactor:
+    """Wraps a factor so that every product ``factor @ v`` is counted."""
+
+    def __init__(self, factor: torch.Tensor) -> None:
+        self.factor = factor
+        self.products = 0
+
+    def __matmul__(self, other: torch.Tensor) -> torch.Tensor:
+        self.products += 1
+        return self.factor @ other
+
+
+def _scaled_operator(
+    factor: torch.Tensor | CountingFactor, damping: float
+) -> tuple[int, Callable[[torch.Tensor], torch.Tensor]] | None:
+    """``D^{-1/2} (F/mean + γI) D^{-1/2}`` as a product, as the library defines it."""
+    f = factor.factor if isinstance(factor, CountingFactor) else factor
+    n = f.shape[0]
+    diagonal = f.diagonal().to(torch.float64)
+    mean = float(diagonal.sum()) / n if n else 0.0
+    if n == 0 or not mean > 0.0:
+        return None
+    gamma = math.sqrt(damping)
+    d = (diagonal / mean).clamp_min(0.0).add(gamma).rsqrt()
+    shift = gamma * d * d
+
+    def product(v: torch.Tensor) -> torch.Tensor:
+        return d * (factor @ (d * v).to(f.dtype)).to(torch.float64) / mean + shift * v
+
+    return n, product
+
+
+def power_mismatch(factor: torch.Tensor | CountingFactor, damping: float) -> float:
+    """Session 40's measure: power iteration from the all-ones vector, Rayleigh quotient."""
+    operator = _scaled_operator(factor, damping)
+    if operator is None:
+        return 1.0
+    n, product = operator
+    device = (factor.factor if isinstance(factor, CountingFactor) else factor).device
+    v = torch.full((n,), n**-0.5, dtype=torch.float64, device=device)
+    value = 0.0
+    for _ in range(POWER_ITERATIONS):
+        w = product(v)
+        new = float(v @ w)
+        norm = float(w.norm())
+        if not norm > 0.0:
+            return 1.0
+        v = w / norm
+        converged = abs(new - value) <= POWER_TOLERANCE * abs(new)
+        value = new
+        if converged:
+            break
+    return max(value, 1.0) if math.isfinite(value) else 1.0
+
+
+def dense_mismatch(factor: torch.Tensor, damping: float) -> float:
+    """The same eigenvalue from the dense float64 matrix (``eigvalsh``)."""
+    f = factor.double()
+    n = f.shape[0]
+    f = f / (f.diagonal().sum() / n)
+    gamma = math.sqrt(damping)
+    s = (f.diagonal().clamp_min(0.0) + gamma).rsqrt()
+    m = s[:, None] * (f + gamma * torch.eye(n, dtype=torch.float64)) * s[None, :]
+    return max(float(torch.linalg.eigvalsh(m)[-1]), 1.0)
+
+
+def make_rows(kind: str, rows: int, n: int, seed: int) -> torch.Tensor:
+    """``rows × n`` float32 rows of the given kind (see the module docstring)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g)
+    if kind == "mean":
+        x += 3.0
+    elif kind == "lowrank":
+        k = min(64, n)
+        basis = torch.randn(k, n, generator=g) / math.sqrt(n)
+        x = torch.randn(rows, k, generator=g) @ basis * math.sqrt(n / k) + 0.1 * x
+    return x
+
+
+def _library_products(factor: torch.Tensor, damping: float) -> int:
+    """How many products with ``factor`` the library's measure made (a function mode counts)."""
+    count = 0
+    storage = factor.data_ptr()
+
+    class Counter(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            nonlocal count
+            first = args[0] if args else None
+            if (
+                func is torch.Tensor.matmul
+                and isinstance(first, torch.Tensor)
+                and first.data_ptr() == storage
+            ):
+                count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        diagonal_mismatch(factor, damping)
+    return count
+
+
+def measure(
+    kind: str, n: int, rows: int, repeat: int, damping: float, dense_up_to: int, seed: int = 0
+) -> dict[str, Any]:
+    """One row: the arms timed in lockstep over ``repeat`` rounds, products, values, errors."""
+    x = make_rows(kind, rows, n, seed)
+    times: dict[str, list[float]] = {"gram": [], "library": [], "power": []}
+    factor = x.T @ x / rows
+    values: dict[str, float] = {}
+    power_products = 0
+    for r in range(repeat):
+        order = ("gram", "library", "power") if r % 2 == 0 else ("power", "library", "gram")
+        for arm in order:
+            start = time.perf_counter()
+            if arm == "gram":
+                factor = x.T @ x / rows
+            elif arm == "library":
+                values["library"] = diagonal_mismatch(factor, damping)
+            else:
+                counted = CountingFactor(factor)
+                values["power"] = power_mismatch(counted, damping)
+                power_products = counted.products
+            times[arm].append(time.perf_counter() - start)
+    dense = dense_mismatch(factor, damping) if n <= dense_up_to else math.nan
+
+    def error(value: float) -> float:
+        return abs(value - dense) / dense if math.isfinite(dense) else math.nan
+
+    return {
+        "kind": kind,
+        "n": n,
+        "rows": rows,
+        "gram_ms": statistics.median(times["gram"]) * 1e3,
+        "library_ms": statistics.median(times["library"]) * 1e3,
+        "power_ms": statistics.median(times["power"]) * 1e3,
+        "library_products": _library_products(factor, damping),
+        "power_products": power_products,
+        "library_value": values["library"],
+        "power_value": values["power"],
+        "dense_value": dense,
+        "library_error": error(values["library"]),
+        "power_error": error(values["power"]),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--sizes", default="1024,4096,8192", help="factor widths, comma-separated")
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"of {', '.join(KINDS)}")
+    p.add_argument("--rows", type=int, default=1024, help="rows of each gram (tokens)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--damping", type=float, default=1e-3)
+    p.add_argument(
+        "--dense-up-to", type=int, default=4096, help="widths with a dense float64 reference"
+    )
+    add_json_option(p, Path(__file__).parent / "results" / "mismatch_cost.json")
+    args = p.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    kinds = [k for k in args.kinds.split(",") if k]
+    for k in kinds:
+        if k not in KINDS:
+            p.error(f"--kinds: {k!r} is not one of {', '.join(KINDS)}")
+    if args.repeat < 1 or args.rows < 1 or any(n < 1 for n in sizes):
+        p.error("--repeat, --rows and every size must be at least 1")
+    set_threads(args.threads)
+    with LoadRecord() as load:
+        rows = [
+            measure(kind, n, args.rows, args.repeat, args.damping, args.dense_up_to)
+            for n in sizes
+            for kind in kinds
+        ]
+    print(
+        format_table(
+            [
+                "n",
+                "kind",
+                "gram ms",
+                "Lanczos ms",
+                "products",
+                "error",
+                "power ms",
+                "products",
+                "error",
+            ],
+            [
+                [
+                    r["n"],
+                    r["kind"],
+                    r["gram_ms"],
+                    r["library_ms"],
+                    r["library_products"],
+                    r["library_error"],
+                    r["power_ms"],
+                    r["power_products"],
+                    r["power_error"],
+                ]
+                for r in rows
+            ],
+            title=f"diagonal_mismatch against the power iteration ({args.threads} threads)",
+        )
+    )
+    print(load.describe())
+    result = {
+        "settings": vars(args),
+        "machine": machine_info(),
+        "load": load.as_dict(),
+        "rows": rows,
+    }
+    if args.json:
+        write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
