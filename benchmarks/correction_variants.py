@@ -62,6 +62,11 @@ the change (``variant``).
     ``K`` times fewer samples); the other steps solve with ``S`` as it is.
     With ``--separable split`` this is what a solve through two side
     matrices rebuilt only when ``S`` changes would compute.
+``--precondition-until S``
+    kaisa preconditions the first ``S`` steps only: at its ``S + 1``-th
+    ``step()`` it discards that step's captures and removes its hooks, and
+    from then on the optimizer gets the raw gradients (does the curvature
+    late in a run buy steps, or only the early curvature?).
 ``--row-cap R``
     factor products from every ``k``-th row, at most ``R`` of a call's
     rows, scaled to the full sum (cheaper factors on long batches).
@@ -112,6 +117,22 @@ def use_power(power: float) -> None:
 
     block.precondition_eigen = precondition_eigen  # type: ignore[assignment]
     block.eigen_outer_inverse = scaled  # type: ignore[assignment]
+
+
+def precondition_until(steps: int) -> None:
+    """kaisa's ``step()`` preconditions ``steps`` times, then detaches (raw gradients after)."""
+    library_step = kaisa.KFACPreconditioner.step
+
+    def step(self: kaisa.KFACPreconditioner) -> None:
+        calls = getattr(self, "_variant_calls", 0)  # each preconditioner (seed) its own
+        self._variant_calls = calls + 1  # type: ignore[attr-defined]
+        if calls < steps:
+            library_step(self)
+        elif calls == steps:  # this step's captures go, and no later step captures
+            self.discard_captures()
+            self.remove_hooks()
+
+    kaisa.KFACPreconditioner.step = step  # type: ignore[method-assign]
 
 
 def use_blocks(size: int, sides: str | None = None) -> None:
@@ -440,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--row-cap", type=positive_int, default=None, metavar="R")
     p.add_argument("--separable", choices=("elementwise", "split"), default=None)
     p.add_argument("--scale-every", type=positive_int, default=None, metavar="K")
+    p.add_argument("--precondition-until", type=positive_int, default=None, metavar="S")
     ours, rest = p.parse_known_args(argv)
     given = {k.replace("_", "-"): v for k, v in vars(ours).items() if v is not None}
     variant = " ".join(f"--{name} {value}" for name, value in given.items())
@@ -467,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         separable(ours.separable)
     if ours.row_cap is not None:
         cap_rows(ours.row_cap)
+    if ours.precondition_until is not None:
+        precondition_until(ours.precondition_until)
     if ours.correct_layers is not None:
         correct_only(ours.correct_layers)
     if ours.diagnose is not None:

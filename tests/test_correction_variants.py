@@ -11,6 +11,7 @@ diagonal and low-rank sides all meet each variant.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -59,6 +60,49 @@ def test_the_variants_run_on_exact_diagonal_and_low_rank_sides(tmp_path: Path) -
     assert same["variant"] == "--scale-power 1.0" and same["last"] == plain["last"]
     same = _run("correction_variants.py", corpus, out, "--scale-every", "1")
     assert same["variant"] == "--scale-every 1" and same["last"] == plain["last"]
+    # Preconditioning past the run's last step is the library's run; stopping after
+    # the first step changes it, and the steps after it capture nothing.
+    same = _run("correction_variants.py", corpus, out, "--precondition-until", "3")
+    assert same["variant"] == "--precondition-until 3" and same["last"] == plain["last"]
+    early = _run("correction_variants.py", corpus, out, "--precondition-until", "1")
+    assert early["stopped_at"] == 3 and early["last"] != plain["last"]
+
+
+def test_precondition_until_detaches_after_its_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kaisa
+
+    bench = load_script("benchmarks/correction_variants.py", "correction_variants_until")
+    monkeypatch.setattr(kaisa.KFACPreconditioner, "step", kaisa.KFACPreconditioner.step)
+    bench.precondition_until(2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    kfac = kaisa.KFACPreconditioner(model, lr=0.1, factor_update_steps=1, inv_update_steps=1)
+    x = torch.randn(16, 6)
+    for step in range(4):
+        model.zero_grad()
+        model(x).square().mean().backward()
+        raw = [p.grad.clone() for p in model.parameters()]
+        kfac.step()
+        changed = any(
+            not torch.equal(r, p.grad) for r, p in zip(raw, model.parameters(), strict=True)
+        )
+        assert changed == (step < 2)  # preconditioned twice, raw after
+        if step == 1:
+            state = copy.deepcopy(kfac.state_dict())
+    # Nothing was captured or folded after the second step.
+    assert kfac.steps == 2
+    assert _identical(kfac.state_dict(), state)
+
+
+def _identical(a: object, b: object) -> bool:
+    """Nested state equal entry by entry, tensors bit for bit."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_identical(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_identical(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
 
 
 def _layout(g: int, a: int, g_rank: int | None, a_rank: int | None) -> tuple:
@@ -114,7 +158,9 @@ def test_separable_divisors_against_dense_references(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("flag", ["--scale-every", "--row-cap", "--block-size"])
+@pytest.mark.parametrize(
+    "flag", ["--scale-every", "--row-cap", "--block-size", "--precondition-until"]
+)
 @pytest.mark.parametrize("value", ["0", "-2", "two"])
 def test_the_integer_options_refuse_what_is_not_a_positive_integer(flag: str, value: str) -> None:
     # The demo's own argparse type: the error names the option, what it takes and what
