@@ -16,7 +16,7 @@ independent Gaussian rows, whose top eigenvalues cluster; ``mean``, the
 same with a dominant mean, as a layer's raw inputs; ``lowrank``, rows near
 a 64-dimensional subspace) this times, in lockstep (the arms alternate
 within every repeat), the gram product, the library's measure and the power
-iteration, counts each one's products with the factor, and, up to
+iteration, counts each one's products with the factor (untimed), and, up to
 ``--dense-up-to``, compares both values with a dense float64 eigenvalue.
 Reported: medians over repeats, products, relative errors, the load before
 and after. Nothing is asserted. ::
@@ -46,49 +46,25 @@ POWER_ITERATIONS = 100
 POWER_TOLERANCE = 1e-6
 
 
-class CountingFactor:
-    """Wraps a factor so that every product ``factor @ v`` is counted."""
+def power_mismatch(factor: torch.Tensor, damping: float) -> float:
+    """Session 40's measure: power iteration from the all-ones vector, Rayleigh quotient.
 
-    def __init__(self, factor: torch.Tensor) -> None:
-        self.factor = factor
-        self.products = 0
-
-    def __matmul__(self, other: torch.Tensor) -> torch.Tensor:
-        self.products += 1
-        return self.factor @ other
-
-
-def _scaled_operator(
-    factor: torch.Tensor | CountingFactor, damping: float
-) -> tuple[int, Callable[[torch.Tensor], torch.Tensor]] | None:
-    """``D^{-1/2} (F/mean + γI) D^{-1/2}`` as a product, as the library defines it."""
-    f = factor.factor if isinstance(factor, CountingFactor) else factor
+    The same scaled factor as the library's, ``D^{-1/2} (F/mean + γI) D^{-1/2}``,
+    applied through products with ``factor``.
+    """
+    f = factor
     n = f.shape[0]
     diagonal = f.diagonal().to(torch.float64)
     mean = float(diagonal.sum()) / n if n else 0.0
-    if n == 0 or not mean > 0.0:
-        return None
+    if n == 0 or not mean > 0.0 or not math.isfinite(mean):
+        return 1.0
     gamma = math.sqrt(damping)
     d = (diagonal / mean).clamp_min(0.0).add(gamma).rsqrt()
     shift = gamma * d * d
-
-    def product(v: torch.Tensor) -> torch.Tensor:
-        return d * (factor @ (d * v).to(f.dtype)).to(torch.float64) / mean + shift * v
-
-    return n, product
-
-
-def power_mismatch(factor: torch.Tensor | CountingFactor, damping: float) -> float:
-    """Session 40's measure: power iteration from the all-ones vector, Rayleigh quotient."""
-    operator = _scaled_operator(factor, damping)
-    if operator is None:
-        return 1.0
-    n, product = operator
-    device = (factor.factor if isinstance(factor, CountingFactor) else factor).device
-    v = torch.full((n,), n**-0.5, dtype=torch.float64, device=device)
+    v = torch.full((n,), n**-0.5, dtype=torch.float64, device=f.device)
     value = 0.0
     for _ in range(POWER_ITERATIONS):
-        w = product(v)
+        w = d * (f @ (d * v).to(f.dtype)).to(torch.float64) / mean + shift * v
         new = float(v @ w)
         norm = float(w.norm())
         if not norm > 0.0:
@@ -127,8 +103,10 @@ def make_rows(kind: str, rows: int, n: int, seed: int) -> torch.Tensor:
     return x
 
 
-def _library_products(factor: torch.Tensor, damping: float) -> int:
-    """How many products with ``factor`` the library's measure made (a function mode counts)."""
+def products_with(
+    factor: torch.Tensor, measure: Callable[[torch.Tensor, float], float], damping: float
+) -> int:
+    """How many products with ``factor`` (its storage) one call of ``measure`` makes."""
     count = 0
     storage = factor.data_ptr()
 
@@ -145,7 +123,7 @@ def _library_products(factor: torch.Tensor, damping: float) -> int:
             return func(*args, **(kwargs or {}))
 
     with Counter():
-        diagonal_mismatch(factor, damping)
+        measure(factor, damping)
     return count
 
 
@@ -157,7 +135,6 @@ def measure(
     times: dict[str, list[float]] = {"gram": [], "library": [], "power": []}
     factor = x.T @ x / rows
     values: dict[str, float] = {}
-    power_products = 0
     for r in range(repeat):
         order = ("gram", "library", "power") if r % 2 == 0 else ("power", "library", "gram")
         for arm in order:
@@ -167,9 +144,7 @@ def measure(
             elif arm == "library":
                 values["library"] = diagonal_mismatch(factor, damping)
             else:
-                counted = CountingFactor(factor)
-                values["power"] = power_mismatch(counted, damping)
-                power_products = counted.products
+                values["power"] = power_mismatch(factor, damping)
             times[arm].append(time.perf_counter() - start)
     dense = dense_mismatch(factor, damping) if n <= dense_up_to else math.nan
 
@@ -183,8 +158,9 @@ def measure(
         "gram_ms": statistics.median(times["gram"]) * 1e3,
         "library_ms": statistics.median(times["library"]) * 1e3,
         "power_ms": statistics.median(times["power"]) * 1e3,
-        "library_products": _library_products(factor, damping),
-        "power_products": power_products,
+        # Counted in calls of their own, outside the timed ones.
+        "library_products": products_with(factor, diagonal_mismatch, damping),
+        "power_products": products_with(factor, power_mismatch, damping),
         "library_value": values["library"],
         "power_value": values["power"],
         "dense_value": dense,
