@@ -35,7 +35,10 @@ row's ``model`` is ``'hf-gpt2'``): a language model as users bring it, not
 one written here. ``--hf-llama`` likewise with ``LlamaForCausalLM`` (d 128,
 3 layers, 4 heads, SwiGLU MLP 344 wide, RMSNorm, rotary positions, separate
 Q/K/V/O projections without biases, an untied head; 659,328 parameters
-against the ``gpt`` model's 668,800; ``model`` ``'hf-llama'``).
+against the ``gpt`` model's 668,800; ``model`` ``'hf-llama'``), and
+``--hf-gemma`` with ``GemmaForCausalLM`` (d 128, 3 layers, 4 heads of 32,
+GeGLU MLP 344 wide, RMSNorm, rotary positions, its token embedding scaled
+by ``√d`` and tied to the head; 626,560 parameters; ``model`` ``'hf-gemma'``).
 
 ``--behind muon`` (the kaisa arms only) puts kaisa in front of the Muon
 arm's optimizer instead of the arm's own: ``torch.optim.Muon`` on the hidden
@@ -188,6 +191,37 @@ def hf_llama(
     return HFCausalLM("LlamaForCausalLM", config)
 
 
+def hf_gemma(
+    name: str, image_shape: tuple[int, int, int] | None = None, *, context: int | None = None
+) -> torch.nn.Module:
+    """transformers' Gemma LM of about the demo ``gpt``'s size in place of the demo's GPT.
+
+    Its token embedding is a ``GemmaTextScaledWordEmbedding`` (the lookup times
+    ``√d``) tied to the head, as Gemma's is.
+    """
+    context = _gpt_context("--hf-gemma", name, context)
+    import transformers
+
+    from kaisa.demo.text import VOCAB_SIZE
+
+    config = transformers.GemmaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=344,  # GeGLU's three matrices at about the 4x MLP's size
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=context,
+        attention_dropout=0.0,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return HFCausalLM("GemmaForCausalLM", config)
+
+
 #: ``kaisa demo`` options that ``--demo-args`` may not give: the probe sets them
 #: (workload, arm, rate, threads, data, output, one process) or loops over them (seeds).
 PROBE_SETS = frozenset(
@@ -203,6 +237,7 @@ MODELS: dict[str, tuple[Any, tuple[str, Any]]] = {
     "--tied-head": (tied_gpt, ("tied_head", True)),
     "--hf-gpt2": (hf_gpt2, ("model", "hf-gpt2")),
     "--hf-llama": (hf_llama, ("model", "hf-llama")),
+    "--hf-gemma": (hf_gemma, ("model", "hf-gemma")),
 }
 
 
@@ -250,6 +285,9 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
     )
     p.add_argument(
         "--hf-llama", action="store_true", help="gpt only: HuggingFace's Llama of about its size"
+    )
+    p.add_argument(
+        "--hf-gemma", action="store_true", help="gpt only: HuggingFace's Gemma of about its size"
     )
     p.add_argument(
         "--demo-args",

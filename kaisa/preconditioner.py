@@ -608,7 +608,7 @@ class KFACPreconditioner(StateDictOnly):
         # A layer not called this step keeps its raw gradient. With several ranks
         # a data-dependent branch may call it on some ranks only; the ranks agree
         # (called anywhere) so that broadcasts pair up and weights stay identical.
-        called = self.comm.any_rank([layer.captures.called for layer in self._roster])
+        called = self.comm.any_rank(self._roster.called())
         with self.telemetry.timer("precondition"):
             for layer, was_called in zip(self._roster, called, strict=True):
                 if not was_called or not layer.active:

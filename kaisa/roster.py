@@ -230,7 +230,7 @@ class Roster:
             block = self.make_block(name, handler, specs[name])
             captures = LayerCaptures(name, handler, keys(name, block.specs))
             self.layers.append(Layer(name, handler, block, captures))
-        by_name = {layer.name: layer for layer in self.layers}
+        by_name = self._by_name = {layer.name: layer for layer in self.layers}
         for tie in ties:
             owner = by_name[tie.uses[0][0]]
             owner.shared = SharedCurvature(
@@ -257,6 +257,24 @@ class Roster:
     @property
     def captures(self) -> list[LayerCaptures]:
         return [layer.captures for layer in self.layers]
+
+    def block_of(self, name: str) -> KroneckerBlock:
+        return self._by_name[name].block
+
+    def uses_of(self, layer: Layer) -> list[str]:
+        """The layers sharing ``layer``'s weight, itself included (``[layer.name]`` if none)."""
+        owner = self._by_name[layer.tied_to] if layer.tied_to is not None else layer
+        return owner.shared.names if owner.shared is not None else [layer.name]
+
+    def called(self) -> list[bool]:
+        """Per layer, whether it ran this iteration; a shared weight's owner when any use did
+        (it preconditions the weight's gradient, which every use's call adds to)."""
+        return [
+            any(self._by_name[name].captures.called for name in self.uses_of(layer))
+            if layer.shared is not None
+            else layer.captures.called
+            for layer in self.layers
+        ]
 
     @property
     def handlers(self) -> dict[str, LayerHandler]:
@@ -362,10 +380,23 @@ class Roster:
         update has reached yet (it must be recomputed now).
         """
         refresh = False
+        captured = {
+            layer.name: (payload := payloads.get(layer.name)) is not None
+            and all(rows > 0 for _, rows in payload.values())
+            for layer in self.layers
+        }
         for layer in self.layers:
-            payload = payloads.get(layer.name)
-            captured = payload is not None and all(rows > 0 for _, rows in payload.values())
-            if captured:
+            uses = self.uses_of(layer)
+            if layer.shared is not None:
+                # A shared weight is preconditioned by its owner whenever one of its
+                # uses captured: a use that never runs (the holder of an
+                # encoder-decoder's shared embedding, T5's and BART's `shared`)
+                # must not leave the summed curvature of the others raw.
+                woke = any(captured[name] for name in uses)
+                updated = all(self.block_of(name).updates == 0 for name in uses)
+            else:
+                woke, updated = captured[layer.name], layer.block.updates == 0
+            if woke:
                 if layer.dormant:
                     layer.dormant = False
                     if layer.grad_worker:
@@ -373,7 +404,7 @@ class Roster:
                     # Second-order state that no factor update has reached yet (a
                     # layer idle from the start, or re-made by the automatic choice
                     # while idle) is recomputed now; kept state waits for its turn.
-                    refresh |= layer.block.updates == 0
+                    refresh |= updated
                 continue
             if not layer.dormant:
                 layer.dormant = True
@@ -388,6 +419,7 @@ class Roster:
             if (
                 not began
                 or layer.captures.called
+                or any(captured[name] for name in uses)  # a shared weight's other use ran
                 or id(layer.handler.module) in removed
                 or not layer.has_local_gradient()
             ):

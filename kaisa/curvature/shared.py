@@ -166,14 +166,21 @@ class SharedCurvature:
 
         ``full``: an ``n × n`` matrix (an exact side); otherwise the ``n``
         diagonal (of a low-rank side's running average, or a moments side's
-        mean squared row). Padded with zeros to ``n``.
+        mean squared row). Padded with zeros to ``n``. A use whose factors no
+        update has reached (a module holding the weight that never runs: an
+        encoder-decoder's ``shared`` embedding) contributes zeros, not its
+        starting factor.
         """
         n = self.sizes[which]
         pieces = []
         for use in self.uses:
-            side = self.block_of(use.name).sides[self._side_of(use, which)]
+            block = self.block_of(use.name)
+            side = block.sides[self._side_of(use, which)]
             factor = side.factor
-            if side.spec.kind == "exact":
+            if block.updates == 0:
+                full = side.spec.kind == "exact"
+                pieces.append((factor.new_zeros((n, n) if full else (n,)), full))
+            elif side.spec.kind == "exact":
                 padded = factor.new_zeros(n, n)
                 padded[: factor.shape[0], : factor.shape[1]] = factor
                 pieces.append((padded, True))

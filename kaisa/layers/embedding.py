@@ -13,18 +13,37 @@ table.
 ``padding_idx``: torch gives that row a zero gradient, and a diagonal ``A``
 keeps it zero, so the padding row is never moved. ``sparse=True`` embeddings
 are not preconditioned (see :func:`embedding_handler`).
+
+**Scaled lookups.** HuggingFace's ``*ScaledWordEmbedding`` classes (Gemma's
+token embedding, scaled by ``√d``; BART's, mBART's, M2M100's, …) return
+``s · W[i]`` for a constant ``embed_scale`` ``s``. The row ``i`` of the
+table then gets the gradient ``s · δ``, so :class:`ScaledEmbeddingHandler`
+takes ``G`` from ``s · δ`` (``s² δᵀδ``): the factors, and so the steps, of
+the plain lookup followed by a multiplication by ``s`` outside it. Such a
+class overrides ``forward``, which would leave it raw (and with it a head
+tied to it); the registry knows these classes by name
+(:func:`kaisa.layers.registry.handler_for`) and
+:func:`scaled_embedding_handler` takes one only after checking, on a probe
+lookup, that its ``forward`` is that product.
 """
 
 from __future__ import annotations
 
+import math
+from numbers import Real
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from kaisa.engines.base import is_dtensor
 from kaisa.layers.base import (
     LayerHandler,
     accumulator_dtype,
+    gram,
     last_dim_gram,
     last_dim_moments,
+    row_moments,
     sample_leading_rows,
 )
 
@@ -112,3 +131,137 @@ def embedding_handler(module: nn.Module, **_: object) -> LayerHandler | None:
     if module.sparse:
         return None
     return EmbeddingHandler(module)
+
+
+class ScaledEmbeddingHandler(EmbeddingHandler):
+    """An ``nn.Embedding`` whose output is ``scale`` times the looked-up row: ``y = s · W[i]``.
+
+    The table's gradient is ``Σ (s δ) e_iᵀ``, so ``G`` is the gram (and the
+    moments) of ``s · δ``; ``A`` is the plain lookup's (module docstring).
+    ``scale=None``: read from the module's ``embed_scale`` at the first
+    capture (a model surveyed on the meta device has no value to read yet).
+    """
+
+    kind = "kronecker (scaled embedding, diagonal A)"
+
+    def __init__(self, module: nn.Embedding, scale: float | None = None) -> None:
+        super().__init__(module)
+        if scale is not None:
+            _check_scale(scale)
+        self._scale = scale
+
+    @property
+    def scale(self) -> float:
+        """``s``, the constant the lookup multiplies by."""
+        if self._scale is None:
+            value = _embed_scale(self.module)
+            if isinstance(value, str):
+                raise ValueError(f"kaisa: {type(self.module).__name__}: {value}")
+            self._scale = _check_scale(value)
+        return self._scale
+
+    def g_sum(
+        self, grad_output: torch.Tensor, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
+        rows = grad_output.reshape(-1, grad_output.shape[-1])
+        scale = self.scale
+        return gram(rows, out, scale * scale), rows.shape[0]
+
+    def g_moments(
+        self, grad_output: torch.Tensor, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
+        rows = grad_output.reshape(-1, grad_output.shape[-1])
+        return row_moments(rows, out, scale=self.scale), rows.shape[0]
+
+    def __repr__(self) -> str:
+        scale = "unread" if self._scale is None else f"{self._scale:g}"
+        return (
+            f"{type(self).__name__}({self.module!r}, a_size={self.a_size}, "
+            f"g_size={self.g_size}, scale={scale})"
+        )
+
+
+def _check_scale(scale: float) -> float:
+    if not (math.isfinite(scale) and scale != 0.0):
+        raise ValueError(f"ScaledEmbeddingHandler needs a finite non-zero scale, got {scale}")
+    return float(scale)
+
+
+def _embed_scale(module: nn.Module) -> float | str:
+    """``module.embed_scale`` as the lookup multiplies by it, or why it cannot be read.
+
+    A tensor (Gemma's buffer) is read in the table's dtype, as its
+    ``forward`` casts it; a number (BART's) as it is.
+    """
+    value = getattr(module, "embed_scale", None)
+    weight = getattr(module, "weight", None)
+    if isinstance(value, torch.Tensor) and isinstance(weight, torch.Tensor):
+        if value.numel() != 1 or not value.is_floating_point():
+            return f"its embed_scale is a tensor of shape {tuple(value.shape)}, not one number"
+        if value.is_meta:
+            return "its embed_scale is on the meta device (no value to read yet)"
+        return float(value.detach().to(weight.dtype).reshape(()))
+    if isinstance(value, Real) and not isinstance(value, bool):
+        return float(value)
+    return f"it has no numeric embed_scale (found {type(value).__name__})"
+
+
+#: How closely a probe lookup must match ``scale · W[i]`` by the table's dtype.
+_LOOKUP_RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+_LOOKUP_RTOL_HALF = 1e-2
+
+
+def _lookup_mismatch(module: nn.Embedding, scale: float) -> str | None:
+    """Why ``module.forward`` is not ``scale · W[i]`` on a probe lookup (``None``: it is).
+
+    ``forward`` is called directly (no hooks), without gradients, on the
+    first rows of the table. A table on the meta device or sharded (a
+    ``DTensor``) cannot be compared here and is taken on its class's name.
+    """
+    weight = module.weight
+    if weight.is_meta or is_dtensor(weight):
+        return None
+    idx = torch.arange(min(module.num_embeddings, 4), device=weight.device).reshape(1, -1)
+    try:
+        with torch.no_grad():
+            got = module.forward(idx)
+            want = F.embedding(idx, weight, module.padding_idx) * scale
+    except Exception as err:  # any failure means: not the lookup this class should be
+        return f"its forward failed on a probe lookup ({type(err).__name__}: {err})"
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        return f"its forward returned {shape} on a probe lookup, not {tuple(want.shape)}"
+    rtol = _LOOKUP_RTOL.get(weight.dtype, _LOOKUP_RTOL_HALF)
+    diff = float((got.double() - want.double()).abs().max())
+    if diff > rtol * max(float(want.double().abs().max()), 1e-30):
+        return (
+            f"its forward is not the table's rows times embed_scale={scale:g} on a probe lookup "
+            f"(off by {diff:.3g})"
+        )
+    return None
+
+
+def scaled_embedding_refusal(module: nn.Module) -> str | None:
+    """Why ``module`` is not taken as a scaled lookup ``embed_scale · W[i]`` (``None``: it is)."""
+    if not isinstance(module, nn.Embedding):
+        return f"{type(module).__name__} is not an nn.Embedding"
+    if module.sparse:
+        return "sparse embedding (sparse=True): sparse gradients are not preconditioned"
+    if module.weight.is_meta:
+        return None  # nothing to read or compare: taken on its class's name (see the handler)
+    scale = _embed_scale(module)
+    if isinstance(scale, str):
+        return scale
+    if not (math.isfinite(scale) and scale != 0.0):
+        return f"its embed_scale ({scale:g}) is not a finite non-zero number"
+    return _lookup_mismatch(module, scale)
+
+
+def scaled_embedding_handler(module: nn.Module, **_: object) -> LayerHandler | None:
+    """The handler of a HuggingFace ``*ScaledWordEmbedding``; ``None`` (left raw, with
+    :func:`scaled_embedding_refusal`'s reason) when it is not the scaled lookup it should be."""
+    if scaled_embedding_refusal(module) is not None:
+        return None
+    assert isinstance(module, nn.Embedding)
+    scale = _embed_scale(module)
+    return ScaledEmbeddingHandler(module, scale if isinstance(scale, float) else None)

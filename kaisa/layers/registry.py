@@ -2,13 +2,17 @@
 
 **Registration.** :func:`register_handler` maps a module type to a handler
 factory; a module uses the factory of the nearest registered class in its
-MRO. Classes of libraries kaisa does not import (HuggingFace's ``Conv1D``)
-are known by module and class name (:data:`_BY_NAME`): matching a model's
-classes by name imports nothing, so ``import kaisa`` never imports
-transformers. A factory registered by the user is checked once against
-autograd on a probe (:mod:`kaisa.layers.probe`): at registration when an
-``example`` module is given, else on the first module of the type kaisa
-meets; a handler that breaks the contract is refused with
+MRO. Classes of libraries kaisa does not import (HuggingFace's ``Conv1D``,
+Falcon's ``FalconLinear``) are known by module and class name
+(:data:`_BY_NAME`), and HuggingFace's ``*ScaledWordEmbedding`` classes
+(Gemma's, BART's, …: a lookup times ``embed_scale``) by a name pattern
+(:data:`_BY_PATTERN`), each of those taken only after a probe lookup shows
+that it computes that product. Matching a model's classes by name imports
+nothing, so ``import kaisa`` never imports transformers. A factory
+registered by the user is checked once against autograd on a probe
+(:mod:`kaisa.layers.probe`): at registration when an ``example`` module is
+given, else on the first module of the type kaisa meets; a handler that
+breaks the contract is refused with
 :class:`~kaisa.layers.probe.HandlerContractError`.
 
 **Subclasses that compute something else.** A subclass of a registered class
@@ -32,7 +36,11 @@ from torch import nn
 from kaisa.layers.attention import attention_handlers
 from kaisa.layers.base import LayerHandler
 from kaisa.layers.conv import conv1d_handler, conv2d_handler, unsupported_reason
-from kaisa.layers.embedding import embedding_handler
+from kaisa.layers.embedding import (
+    embedding_handler,
+    scaled_embedding_handler,
+    scaled_embedding_refusal,
+)
 from kaisa.layers.linear import LinearHandler, transposed_linear_handler
 from kaisa.layers.probe import HandlerContractError, check_factory
 from kaisa.warn import warn
@@ -45,6 +53,12 @@ HandlerFactory = Callable[..., LayerHandler | Sequence[LayerHandler] | None]
 
 _REGISTRY: dict[type[nn.Module], HandlerFactory] = {}
 
+
+def _linear_by_name(module: nn.Module, **_: object) -> LayerHandler | None:
+    """A class known by name to compute ``nn.Linear``'s function (``None``: not an nn.Linear)."""
+    return LinearHandler(module) if isinstance(module, nn.Linear) else None
+
+
 #: Factories of classes that live in libraries kaisa does not import, by
 #: ``(class.__module__, class.__qualname__)``; matched on the classes of a
 #: model's modules, so nothing is imported. A class registered by type
@@ -54,6 +68,22 @@ _BY_NAME: dict[tuple[str, str], HandlerFactory] = {
     # (in, out) weight; its home before transformers 4.19 was modeling_utils.
     ("transformers.pytorch_utils", "Conv1D"): transposed_linear_handler,
     ("transformers.modeling_utils", "Conv1D"): transposed_linear_handler,
+    # Falcon's Linear computes ``x Wᵀ + b`` itself, exactly nn.Linear's function.
+    ("transformers.models.falcon.modeling_falcon", "FalconLinear"): _linear_by_name,
+}
+
+#: Factories of classes matched by ``(module prefix, class-name suffix)``, for
+#: a pattern that many classes of one library follow: HuggingFace writes one
+#: ``<Model>ScaledWordEmbedding`` per model (Gemma 1–4, BART, mBART, M2M100,
+#: NLLB, Blenderbot, BioGPT, …), each ``embed_scale · W[i]``.
+_BY_PATTERN: tuple[tuple[str, str, HandlerFactory], ...] = (
+    ("transformers.", "ScaledWordEmbedding", scaled_embedding_handler),
+)
+
+#: Why a factory refuses a module it was matched to (``None``: it does not), for
+#: the warning that names the module left raw.
+_REFUSALS: dict[HandlerFactory, Callable[[nn.Module], str | None]] = {
+    scaled_embedding_handler: scaled_embedding_refusal,
 }
 
 #: Registered types whose factory has not been checked on a probe yet: the
@@ -110,10 +140,21 @@ def register_handler(
         _UNCHECKED.discard(module_type)
 
 
+def _by_pattern(cls: type) -> HandlerFactory | None:
+    for prefix, suffix, factory in _BY_PATTERN:
+        if cls.__module__.startswith(prefix) and cls.__qualname__.endswith(suffix):
+            return factory
+    return None
+
+
 def _registered(module: nn.Module) -> tuple[type[nn.Module] | None, HandlerFactory | None]:
     """The nearest registered class in ``module``'s MRO and its factory."""
     for cls in type(module).__mro__:
-        factory = _REGISTRY.get(cls) or _BY_NAME.get((cls.__module__, cls.__qualname__))
+        factory = (
+            _REGISTRY.get(cls)
+            or _BY_NAME.get((cls.__module__, cls.__qualname__))
+            or _by_pattern(cls)
+        )
         if factory is not None:
             return cls, factory
     return None, None
@@ -276,11 +317,16 @@ def _why_unhandled(module: nn.Module) -> _Raw:
     """Why a module with parameters is left raw, and whether (and with whom) to warn."""
     if isinstance(module, _NORMS) or _NORM_NAME.search(type(module).__name__):
         return _Raw(_NORM_REASON)
-    registered, _ = _registered(module)
+    registered, factory = _registered(module)
     if registered is not None:
         override = _own_forward_reason(module, registered)
         if override is not None:
             return _Raw(override, group=override)
+        refuse = _REFUSALS.get(factory) if factory is not None else None
+        refusal = refuse(module) if refuse is not None else None
+        if refusal is not None:
+            refused = f"{type(module).__name__}: {refusal}, so it is not preconditioned"
+            return _Raw(refused, group=refused)
     reason = unsupported_reason(module)
     if reason is not None:
         groups = getattr(module, "groups", "?")
