@@ -46,6 +46,34 @@ def published() -> Iterator[tuple[str, Callable[[], nn.Module]]]:
         lambda: hf.LlamaForCausalLM(hf.LlamaConfig(**llama_1b, tie_word_embeddings=False)),
     )
     yield (
+        "gemma-2b shape (scaled embedding, tied)",
+        lambda: hf.GemmaForCausalLM(
+            hf.GemmaConfig(
+                vocab_size=256000,
+                hidden_size=2048,
+                intermediate_size=16384,
+                num_hidden_layers=18,
+                num_attention_heads=8,
+                num_key_value_heads=1,
+                head_dim=256,
+            )
+        ),
+    )
+    yield (
+        "falcon-7b shape",
+        lambda: hf.FalconForCausalLM(
+            hf.FalconConfig(
+                vocab_size=65024,
+                hidden_size=4544,
+                num_hidden_layers=32,
+                num_attention_heads=71,
+                multi_query=True,
+                parallel_attn=True,
+                bias=False,
+            )
+        ),
+    )
+    yield (
         "t5-small",
         lambda: hf.T5ForConditionalGeneration(
             hf.T5Config(d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_heads=8)
