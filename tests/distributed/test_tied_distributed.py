@@ -7,7 +7,9 @@ other; with two (COMM-OPT) the decomposition is broadcast instead. Either
 way the weights follow the one-process run on the whole batch (up to float32
 summation order), and each rank's checkpoint carries the shared state where
 it works on it. Eigenvalue-corrected, the shared ``S`` lives with the
-owner's gradient workers and needs no traffic of its own.
+owner's gradient workers and needs no traffic of its own. An owner that
+never runs (an encoder-decoder's ``shared`` holder) preconditions the
+weight on its gradient workers from the uses that do, on every fraction.
 """
 
 from __future__ import annotations
@@ -37,11 +39,27 @@ class Tied(nn.Module):
         return self.head(torch.tanh(self.mix(self.embed(idx))))
 
 
+class Held(Tied):
+    """:class:`Tied` whose weight a module registered first (the owner) holds but never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(V, D)
+        self.shared.weight = self.embed.weight
+        # Registered first: the owner of the tie.
+        self._modules = {"shared": self._modules.pop("shared"), **self._modules}
+
+
 def _train(
-    rank: int, world_size: int, fraction: float, correction: str, tolerance: float | None = None
+    rank: int,
+    world_size: int,
+    fraction: float,
+    correction: str,
+    tolerance: float | None = None,
+    held: bool = False,
 ) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = Tied()
+    model = Held() if held else Tied()
     tokens = torch.randint(0, V, (STEPS, BATCH, 7), generator=torch.Generator().manual_seed(1))
     pre = kaisa.KFACPreconditioner(
         model,
@@ -63,8 +81,10 @@ def _train(
             average_gradients(model, world_size)
         pre.step()
         optimizer.step()
-    assignment = pre.plan.layer("embed")
-    state = pre.state_dict()["layers"]["embed"]
+    owner = "shared" if held else "embed"
+    assert pre.layers[0].name == owner
+    assignment = pre.plan.layer(owner)
+    state = pre.state_dict()["layers"][owner]
     return {
         "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
         "workers": assignment.grad_workers,
@@ -87,8 +107,31 @@ RUNS = [(f, c, None) for f in (0.5, 1.0) for c in ("off", "ekfac")] + [
 Run = tuple[float, str, float | None]
 
 
+#: The owner that never runs, on both fractions, solved as K-FAC and corrected.
+HELD = [(f, c) for f in (0.5, 1.0) for c in ("off", "ekfac")]
+
+
 def _worker(rank: int, world_size: int) -> dict[Run, dict[str, Any]]:
     return {run: _train(rank, world_size, *run) for run in RUNS}
+
+
+def _held_worker(rank: int, world_size: int) -> dict[tuple[float, str], dict[str, Any]]:
+    return {run: _train(rank, world_size, *run, held=True) for run in HELD}
+
+
+def test_two_processes_follow_one_when_the_owner_never_runs() -> None:
+    single = {run: _train(0, 1, *run, held=True) for run in HELD}
+    results = run_distributed(_held_worker, 2, timeout=120)
+    for run in HELD:
+        for rank in range(2):
+            got = results[rank][run]
+            torch.testing.assert_close(
+                got["weights"], single[run]["weights"], rtol=0, atol=TOLERANCE
+            )
+            assert got["has_shared"] == (rank in got["workers"])
+        # The same steps as the model without the holder, on one process.
+        plain = _train(0, 1, *run)
+        torch.testing.assert_close(single[run]["weights"], plain["weights"], rtol=0, atol=1e-6)
 
 
 def test_two_processes_follow_one_with_the_shared_block() -> None:
