@@ -530,7 +530,20 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
                 skipped.setdefault(why.group, []).append((label, module, why))
                 continue
             block = f"{label}.{handler.suffix}" if handler.suffix else label
-            shared = [p for p in params if holders[id(p)].keys() - claimed]
+            for param in params:
+                if _held_by_ancestors_only(holders[id(param)], claimed, label):
+                    # An alias a parent keeps of its layer's parameter (BERT's,
+                    # RoBERTa's and ALBERT's MLM head hold the decoder's bias as
+                    # their own `bias`): one use, the layer's; the parent was
+                    # visited first and left it raw as a free parameter.
+                    raw.pop(id(param), None)
+                    unknown.pop(id(param), None)
+            shared = [
+                p
+                for p in params
+                if holders[id(p)].keys() - claimed
+                and not _held_by_ancestors_only(holders[id(p)], claimed, label)
+            ]
             if shared:  # decided once every use is known (see _tie)
                 sharing.append(_Sharing(block, handler, label, shared))
             found.append((block, handler))
@@ -590,6 +603,19 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
                 unhandled.append(treatments[-1])
     warnings = _skip_warnings(skipped) + messages + _unknown_warning(unhandled)
     return Survey(found, treatments, warnings, ties)
+
+
+def _held_by_ancestors_only(holders: Mapping[int, str], claimed: set[int], label: str) -> bool:
+    """Whether every module holding a parameter besides the layer's own (``claimed``) is
+    an ancestor of the layer (``label``, its name): a parent keeping an alias of it.
+
+    Such a parent takes no part of its own in the gradient unless its
+    ``forward`` uses the alias directly; the MLM heads of BERT, RoBERTa and
+    ALBERT keep their decoder's bias this way and use it only through the
+    decoder.
+    """
+    others = [name for module, name in holders.items() if module not in claimed]
+    return bool(others) and all(label.startswith(f"{name}.") for name in others)
 
 
 @dataclass(frozen=True)

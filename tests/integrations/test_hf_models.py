@@ -102,7 +102,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any], set
             )
         ),
         _tokens,
-        {"bert.embeddings.word_embeddings.weight"},
+        set(),
     ),
     "llama-tied": (lambda: _llama(True), _tokens, {"model.embed_tokens.weight"}),
     "llama-untied": (lambda: _llama(False), _tokens, set()),

@@ -9,6 +9,10 @@
   weight its encoder, decoder and head use but never runs itself. The
   summed curvature of the uses that run must precondition the weight, with
   the steps of the same model without the idle holder.
+* BERT's, RoBERTa's and ALBERT's MLM heads keep their decoder's bias as their
+  own ``bias`` too: an alias a parent holds is the layer's alone, so the
+  embedding tied to the decoder is preconditioned, with the steps of the
+  model without the alias; one held by a module beside the layer is not.
 """
 
 from __future__ import annotations
@@ -226,3 +230,61 @@ def test_a_shared_weight_whose_holder_never_runs_takes_the_steps_of_its_running_
     for name, param in ref.named_parameters():
         torch.testing.assert_close(param, net.get_parameter(name), rtol=1e-9, atol=1e-11)
     assert not torch.equal(net.enc.weight, EncoderDecoder(holder=True).double().enc.weight)
+
+
+class MLMHead(nn.Module):
+    """BERT's MLM head: the decoder's bias is also the head's own ``bias`` (an alias)."""
+
+    def __init__(self, alias: bool) -> None:
+        super().__init__()
+        self.decoder = nn.Linear(DIM, VOCAB)
+        if alias:
+            self.bias = self.decoder.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(x)
+
+
+class MaskedLM(nn.Module):
+    """An embedding tied to the MLM head's decoder, which has a bias."""
+
+    def __init__(self, alias: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.mix = nn.Linear(DIM, DIM)
+        self.head = MLMHead(alias)
+        self.head.decoder.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mix(self.emb(idx)).tanh())
+
+
+def test_a_bias_a_parent_keeps_as_an_alias_leaves_the_tie_preconditioned() -> None:
+    net, ref = MaskedLM(alias=True).double(), MaskedLM(alias=False).double()
+    ref.load_state_dict({k: v for k, v in net.state_dict().items() if k != "head.bias"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither "shares a parameter" nor a free parameter
+        pres = _train((net, ref), {"emb": ("diagonal", "exact"), ".*": "exact"})
+    treated = {t.parameter: t for t in pres[0].coverage()}
+    assert "summed curvature" in treated["emb.weight"].kind
+    assert treated["head.bias"].blocks == ("head.decoder",)
+    for name, param in ref.named_parameters():
+        torch.testing.assert_close(param, net.get_parameter(name), rtol=1e-10, atol=1e-12)
+
+
+class SiblingAlias(MaskedLM):
+    """The decoder's bias also held by a module beside it (not its parent): a use kaisa
+    cannot see, so the tie stays raw, with the warning."""
+
+    def __init__(self) -> None:
+        super().__init__(alias=False)
+        self.other = nn.Module()
+        self.other.bias = self.head.decoder.bias
+
+
+def test_a_bias_held_by_a_module_beside_the_layer_still_leaves_the_tie_raw() -> None:
+    with pytest.warns(UserWarning, match="shares a parameter"):
+        pre = kaisa.KFACPreconditioner(SiblingAlias(), lr=0.1)
+    treated = {t.parameter: t for t in pre.coverage()}
+    assert treated["emb.weight"].kind == "raw"
