@@ -3,9 +3,12 @@
 Two gloo processes on CPU, each with its own batches, the same initial
 weights and the same batches under DDP and under FSDP2 (every layer and the
 root sharded on dim 0, with uneven shards: 7 and 3 rows over 2 ranks).
-Two models: a Conv2d with two Linear layers, and an Embedding, an
+Three models: a Conv2d with two Linear layers; an Embedding, an
 ``nn.MultiheadAttention`` (three blocks writing rows of one packed weight
-shard) and two Linear layers; exact curvature, absolute damping, KL
+shard) and two Linear layers; and the same with Gemma's scaled token
+embedding (HuggingFace's ``GemmaTextScaledWordEmbedding``, a lookup times
+its ``embed_scale`` buffer, taken on its class's name when its table is a
+DTensor); exact curvature, absolute damping, KL
 clipping that binds; COMM-OPT and MEM-OPT (the preconditioned gradients are
 broadcast as full matrices). Checked after ``STEPS`` steps, to ``TOL32``:
 
@@ -65,9 +68,16 @@ def _model(kind: str) -> torch.nn.Module:
             return self.head(torch.tanh(self.fc(h)))
 
     class AttnNet(nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, scaled: bool = False) -> None:
             super().__init__()
-            self.embed = nn.Embedding(11, 8)
+            if scaled:
+                from transformers.models.gemma.modeling_gemma import (
+                    GemmaTextScaledWordEmbedding,
+                )
+
+                self.embed: nn.Embedding = GemmaTextScaledWordEmbedding(11, 8, 0, embed_scale=SCALE)
+            else:
+                self.embed = nn.Embedding(11, 8)
             self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
             self.fc = nn.Linear(8, 7)
             self.head = nn.Linear(7, 3)
@@ -78,7 +88,7 @@ def _model(kind: str) -> torch.nn.Module:
             return self.head(torch.tanh(self.fc(h)).mean(dim=1))
 
     torch.manual_seed(0)
-    return ConvNet() if kind == "conv" else AttnNet()
+    return ConvNet() if kind == "conv" else AttnNet(scaled=kind == "scaled")
 
 
 def _batch(kind: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +149,7 @@ def _train(kind: str, rank: int, wrap: str, fraction: str, kaisa_on: bool = True
         "factors": factors,
         "kl_scales": scales,
         "layers": None if pre is None else len(pre.layers),
+        "handlers": [] if pre is None else [type(la.handler).__name__ for la in pre.layers],
     }
 
 
@@ -190,7 +201,7 @@ def _fsdp_case(rank: int, world_size: int) -> dict[str, Any]:
     # nn.MultiheadAttention returns a view; nothing here modifies it in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     results: dict[str, Any] = {}
-    for kind in ("conv", "attn"):
+    for kind in KINDS:
         for fraction in ("comm-opt", "mem-opt"):
             for wrap in ("ddp", "fsdp2"):
                 results[f"{kind}-{fraction}-{wrap}"] = _train(kind, rank, wrap, fraction)
@@ -198,6 +209,14 @@ def _fsdp_case(rank: int, world_size: int) -> dict[str, Any]:
     results["built-before"] = _built_before(rank)
     results["fsdp-tp"] = _fsdp_with_tensor_parallel(rank, world_size)
     return results
+
+
+#: The models: conv, attention, and attention with Gemma's scaled embedding
+#: (transformers is a test dependency: the ``transformers`` extra, as ``make test``).
+KINDS = ("conv", "attn", "scaled")
+#: The scaled embedding's ``embed_scale``: its ``G`` is ``SCALE²`` times the
+#: plain lookup's, and so is the float32 rounding of its sums.
+SCALE = 2.5
 
 
 def _distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -210,15 +229,19 @@ def runs() -> list[dict[str, Any]]:
     return run_distributed(_fsdp_case, 2, timeout=TIMEOUT)
 
 
-@pytest.mark.parametrize("kind", ["conv", "attn"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("fraction", ["comm-opt", "mem-opt"])
 def test_fsdp2_equals_ddp(runs: list[dict[str, Any]], kind: str, fraction: str) -> None:
     for run in runs:
         want = run[f"{kind}-{fraction}-ddp"]
         got = run[f"{kind}-{fraction}-fsdp2"]
         assert got["layers"] == want["layers"] == (3 if kind == "conv" else 7)
+        assert got["handlers"] == want["handlers"]
+        if kind == "scaled":
+            assert got["handlers"][0] == "ScaledEmbeddingHandler"
         assert _distance(got["weights"], want["weights"]) <= TOL32
-        assert _distance(got["factors"], want["factors"]) <= TOL32
+        factor_tol = TOL32 * (SCALE**2 if kind == "scaled" else 1.0)
+        assert _distance(got["factors"], want["factors"]) <= factor_tol
         assert got["kl_scales"] == pytest.approx(want["kl_scales"], rel=1e-5)
         assert max(want["kl_scales"]) < 1.0  # clipping binds: its scale is checked too
         # kaisa changed the update: FSDP2 without it is far away.
