@@ -393,9 +393,9 @@ class Roster:
                 # encoder-decoder's shared embedding, T5's and BART's `shared`)
                 # must not leave the summed curvature of the others raw.
                 woke = any(captured[name] for name in uses)
-                updated = all(self.block_of(name).updates == 0 for name in uses)
+                unreached = all(self.block_of(name).updates == 0 for name in uses)
             else:
-                woke, updated = captured[layer.name], layer.block.updates == 0
+                woke, unreached = captured[layer.name], layer.block.updates == 0
             if woke:
                 if layer.dormant:
                     layer.dormant = False
@@ -404,7 +404,7 @@ class Roster:
                     # Second-order state that no factor update has reached yet (a
                     # layer idle from the start, or re-made by the automatic choice
                     # while idle) is recomputed now; kept state waits for its turn.
-                    refresh |= updated
+                    refresh |= unreached
                 continue
             if not layer.dormant:
                 layer.dormant = True

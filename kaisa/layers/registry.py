@@ -530,20 +530,17 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
                 skipped.setdefault(why.group, []).append((label, module, why))
                 continue
             block = f"{label}.{handler.suffix}" if handler.suffix else label
-            for param in params:
-                if _held_by_ancestors_only(holders[id(param)], claimed, label):
-                    # An alias a parent keeps of its layer's parameter (BERT's,
-                    # RoBERTa's and ALBERT's MLM head hold the decoder's bias as
-                    # their own `bias`): one use, the layer's; the parent was
-                    # visited first and left it raw as a free parameter.
-                    raw.pop(id(param), None)
-                    unknown.pop(id(param), None)
-            shared = [
-                p
-                for p in params
-                if holders[id(p)].keys() - claimed
-                and not _held_by_ancestors_only(holders[id(p)], claimed, label)
-            ]
+            # An alias a parent keeps of its layer's parameter (BERT's, RoBERTa's
+            # and ALBERT's MLM head hold the decoder's bias as their own `bias`):
+            # one use, the layer's; the parent, visited first, left it raw as a
+            # free parameter.
+            aliased = {
+                id(p) for p in params if _held_by_ancestors_only(holders[id(p)], claimed, label)
+            }
+            for key in aliased:
+                raw.pop(key, None)
+                unknown.pop(key, None)
+            shared = [p for p in params if holders[id(p)].keys() - claimed and id(p) not in aliased]
             if shared:  # decided once every use is known (see _tie)
                 sharing.append(_Sharing(block, handler, label, shared))
             found.append((block, handler))
