@@ -444,8 +444,14 @@ class Roster:
 
     # -- what the layers hold ----------------------------------------------------------
     def coverage(self, treatments: Sequence[Treatment]) -> Coverage:
+        # A shared weight is as its owner is: preconditioned while any use runs,
+        # whichever of them (an idle holder) captured nothing.
+        def dormant(layer: Layer) -> bool:
+            owner = self._by_name[layer.tied_to] if layer.tied_to is not None else layer
+            return owner.dormant
+
         return coverage_of(
-            treatments, {layer.name: (layer.dormant, "/".join(layer.specs)) for layer in self}
+            treatments, {layer.name: (dormant(layer), "/".join(layer.specs)) for layer in self}
         )
 
     def memory(self) -> dict[str, int]:

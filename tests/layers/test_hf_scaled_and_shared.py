@@ -194,7 +194,7 @@ class EncoderDecoder(nn.Module):
     """T5's and BART's shape: the weight of ``shared`` is also the encoder's, the
     decoder's and the head's; ``shared`` itself never runs (``holder=False``: no such module)."""
 
-    def __init__(self, holder: bool) -> None:
+    def __init__(self, holder: bool, head_bias: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         if holder:
@@ -202,7 +202,7 @@ class EncoderDecoder(nn.Module):
         self.enc = nn.Embedding(VOCAB, DIM)
         self.dec = nn.Embedding(VOCAB, DIM)
         self.mix = nn.Linear(DIM, DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head = nn.Linear(DIM, VOCAB, bias=head_bias)
         weight = self.shared.weight if holder else self.enc.weight
         self.enc.weight = self.dec.weight = self.head.weight = weight
         with torch.no_grad():
@@ -288,3 +288,19 @@ def test_a_bias_held_by_a_module_beside_the_layer_still_leaves_the_tie_raw() -> 
         pre = kaisa.KFACPreconditioner(SiblingAlias(), lr=0.1)
     treated = {t.parameter: t for t in pre.coverage()}
     assert treated["emb.weight"].kind == "raw"
+
+
+def test_an_idle_holder_that_is_not_the_owner_leaves_the_weight_listed_preconditioned() -> None:
+    # The head has a bias, so it owns the tie; the idle holder is one of its other uses.
+    net, ref = EncoderDecoder(True, head_bias=True), EncoderDecoder(False, head_bias=True)
+    net, ref = net.double(), ref.double()
+    ref.load_state_dict({k: v for k, v in net.state_dict().items() if k != "shared.weight"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pres = _train((net, ref), {"shared|enc|dec": ("diagonal", "exact"), ".*": "exact"})
+    shared = next(layer for layer in pres[0].layers if layer.name == "shared")
+    assert shared.dormant  # it never ran
+    (entry,) = [t for t in pres[0].coverage() if t.parameter == "shared.weight"]
+    assert entry.kind != "raw" and "summed curvature" in entry.kind
+    for name, param in ref.named_parameters():
+        torch.testing.assert_close(param, net.get_parameter(name), rtol=1e-9, atol=1e-11)
