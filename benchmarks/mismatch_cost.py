@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from common import LoadRecord, add_json_option, format_table, machine_info, set_threads, write_json
 
-from kaisa.autochoice import diagonal_mismatch
+from kaisa.autochoice import diagonal_mismatch, scaled_product
 
 KINDS = ("wishart", "mean", "lowrank")
 
@@ -49,22 +49,17 @@ POWER_TOLERANCE = 1e-6
 def power_mismatch(factor: torch.Tensor, damping: float) -> float:
     """Session 40's measure: power iteration from the all-ones vector, Rayleigh quotient.
 
-    The same scaled factor as the library's, ``D^{-1/2} (F/mean + γI) D^{-1/2}``,
-    applied through products with ``factor``.
+    The library's scaled factor, ``D^{-1/2} (F/mean + γI) D^{-1/2}``, through
+    the library's own products with ``factor`` (:func:`kaisa.autochoice.scaled_product`).
     """
-    f = factor
-    n = f.shape[0]
-    diagonal = f.diagonal().to(torch.float64)
-    mean = float(diagonal.sum()) / n if n else 0.0
-    if n == 0 or not mean > 0.0 or not math.isfinite(mean):
+    product = scaled_product(factor, damping)
+    if product is None:
         return 1.0
-    gamma = math.sqrt(damping)
-    d = (diagonal / mean).clamp_min(0.0).add(gamma).rsqrt()
-    shift = gamma * d * d
-    v = torch.full((n,), n**-0.5, dtype=torch.float64, device=f.device)
+    n = factor.shape[0]
+    v = torch.full((n,), n**-0.5, dtype=torch.float64, device=factor.device)
     value = 0.0
     for _ in range(POWER_ITERATIONS):
-        w = d * (f @ (d * v).to(f.dtype)).to(torch.float64) / mean + shift * v
+        w = product(v)
         new = float(v @ w)
         norm = float(w.norm())
         if not norm > 0.0:

@@ -27,7 +27,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -65,6 +65,34 @@ MISMATCH_ITERATIONS = 40
 MISMATCH_TOLERANCE = 1e-6
 
 
+def scaled_product(
+    factor: torch.Tensor, damping: float
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``v ↦ D^{-1/2} (F/mean + γI) D^{-1/2} v`` for :func:`diagonal_mismatch`'s matrix.
+
+    ``F`` the factor, ``mean`` its mean eigenvalue, ``γ = √damping`` and
+    ``D = diag(F)/mean + γ``; the product runs with ``F`` in its own float32 or
+    float64 (a lower precision is cast once), the scalings and ``v`` in
+    float64. ``None`` for an empty or all-zero factor (no scale to measure).
+    """
+    f = factor.detach()
+    if f.dtype not in (torch.float32, torch.float64):
+        f = f.float()
+    n = f.shape[0]
+    diagonal = f.diagonal().to(torch.float64)
+    mean = float(diagonal.sum()) / n if n else 0.0
+    if n == 0 or not mean > 0.0 or not math.isfinite(mean):
+        return None
+    gamma = math.sqrt(damping)
+    d = (diagonal / mean).clamp_min(0.0).add(gamma).rsqrt()
+    shift = gamma * d * d
+
+    def product(v: torch.Tensor) -> torch.Tensor:
+        return d * (f @ (d * v).to(f.dtype)).to(torch.float64) / mean + shift * v
+
+    return product
+
+
 def diagonal_mismatch(factor: torch.Tensor, damping: float) -> float:
     """How far the worst direction a diagonal hold of ``factor`` leaves is from its scale.
 
@@ -85,26 +113,14 @@ def diagonal_mismatch(factor: torch.Tensor, damping: float) -> float:
     width in a few dozen products where a power iteration needs hundreds.
     1 for an empty or all-zero factor.
     """
-    f = factor.detach()
-    if f.dtype not in (torch.float32, torch.float64):
-        f = f.float()
-    n = f.shape[0]
-    diagonal = f.diagonal().to(torch.float64)
-    mean = float(diagonal.sum()) / n if n else 0.0
-    if n == 0 or not mean > 0.0 or not math.isfinite(mean):
+    product = scaled_product(factor, damping)
+    if product is None:
         return 1.0
-    gamma = math.sqrt(damping)
-    d = (diagonal / mean).clamp_min(0.0).add(gamma).rsqrt()
-    shift = gamma * d * d
-
-    def product(v: torch.Tensor) -> torch.Tensor:
-        """``D^{-1/2} (F/mean + γI) D^{-1/2} v`` without forming the matrix."""
-        return d * (f @ (d * v).to(f.dtype)).to(torch.float64) / mean + shift * v
-
+    n, device = factor.shape[0], factor.device
     steps = min(n, MISMATCH_ITERATIONS)
-    basis = torch.zeros(steps, n, dtype=torch.float64, device=f.device)
+    basis = torch.zeros(steps, n, dtype=torch.float64, device=device)
     tridiagonal = torch.zeros(steps, steps, dtype=torch.float64)
-    v = torch.full((n,), n**-0.5, dtype=torch.float64, device=f.device)
+    v = torch.full((n,), n**-0.5, dtype=torch.float64, device=device)
     value = previous = 0.0
     for j in range(steps):
         basis[j] = v
