@@ -142,53 +142,47 @@ class HFCausalLM(torch.nn.Module):
         return self.lm(input_ids=idx).logits  # type: ignore[no-any-return]
 
 
-def hf_gpt2(
-    name: str, image_shape: tuple[int, int, int] | None = None, *, context: int | None = None
-) -> torch.nn.Module:
-    """transformers' GPT-2 LM of the demo ``gpt``'s shape in place of the demo's GPT."""
-    context = _gpt_context("--hf-gpt2", name, context)
+def _hf_lm(
+    flag: str, name: str, context: int | None, model: str, config: str, **options: Any
+) -> HFCausalLM:
+    """transformers' ``model`` built from its ``config`` class with ``options`` over the
+    256 bytes, in place of the demo ``gpt``'s model (``flag`` names the option in errors).
+
+    The context goes to ``n_positions`` when ``options`` has it (GPT-2), else to
+    ``max_position_embeddings``.
+    """
+    context = _gpt_context(flag, name, context)
     import transformers
 
     from kaisa.demo.text import VOCAB_SIZE
 
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB_SIZE,
-        n_positions=context,
-        n_embd=128,
-        n_layer=3,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return HFCausalLM("GPT2LMHeadModel", config)
+    key = "n_positions" if "n_positions" in options else "max_position_embeddings"
+    options[key] = context
+    return HFCausalLM(model, getattr(transformers, config)(vocab_size=VOCAB_SIZE, **options))
+
+
+def hf_gpt2(
+    name: str, image_shape: tuple[int, int, int] | None = None, *, context: int | None = None
+) -> torch.nn.Module:
+    """transformers' GPT-2 LM of the demo ``gpt``'s shape in place of the demo's GPT."""
+    return _hf_lm(
+        "--hf-gpt2", name, context, "GPT2LMHeadModel", "GPT2Config",
+        n_positions=None, n_embd=128, n_layer=3, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
 
 
 def hf_llama(
     name: str, image_shape: tuple[int, int, int] | None = None, *, context: int | None = None
 ) -> torch.nn.Module:
     """transformers' Llama LM of about the demo ``gpt``'s size in place of the demo's GPT."""
-    context = _gpt_context("--hf-llama", name, context)
-    import transformers
-
-    from kaisa.demo.text import VOCAB_SIZE
-
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB_SIZE,
+    return _hf_lm(
+        "--hf-llama", name, context, "LlamaForCausalLM", "LlamaConfig",
         hidden_size=128,
         intermediate_size=344,  # SwiGLU's three matrices at about the 4x MLP's size
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=context,
-        attention_dropout=0.0,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return HFCausalLM("LlamaForCausalLM", config)
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        attention_dropout=0.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
 
 
 def hf_gemma(
@@ -199,27 +193,14 @@ def hf_gemma(
     Its token embedding is a ``GemmaTextScaledWordEmbedding`` (the lookup times
     ``√d``) tied to the head, as Gemma's is.
     """
-    context = _gpt_context("--hf-gemma", name, context)
-    import transformers
-
-    from kaisa.demo.text import VOCAB_SIZE
-
-    config = transformers.GemmaConfig(
-        vocab_size=VOCAB_SIZE,
+    return _hf_lm(
+        "--hf-gemma", name, context, "GemmaForCausalLM", "GemmaConfig",
         hidden_size=128,
         intermediate_size=344,  # GeGLU's three matrices at about the 4x MLP's size
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=32,
-        max_position_embeddings=context,
-        attention_dropout=0.0,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return HFCausalLM("GemmaForCausalLM", config)
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+        attention_dropout=0.0, tie_word_embeddings=True,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
 
 
 #: ``kaisa demo`` options that ``--demo-args`` may not give: the probe sets them
