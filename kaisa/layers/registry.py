@@ -3,7 +3,7 @@
 **Registration.** :func:`register_handler` maps a module type to a handler
 factory; a module uses the factory of the nearest registered class in its
 MRO. Classes of libraries kaisa does not import (HuggingFace's ``Conv1D``,
-Falcon's ``FalconLinear``) are known by module and class name
+Falcon's ``FalconLinear``, timm's ``Linear``) are known by module and class name
 (:data:`_BY_NAME`), and HuggingFace's ``*ScaledWordEmbedding`` classes
 (Gemma's, BART's, …: a lookup times ``embed_scale``) by a name pattern
 (:data:`_BY_PATTERN`), each of those taken only after a probe lookup shows
@@ -70,6 +70,11 @@ _BY_NAME: dict[tuple[str, str], HandlerFactory] = {
     ("transformers.modeling_utils", "Conv1D"): transposed_linear_handler,
     # Falcon's Linear computes ``x Wᵀ + b`` itself, exactly nn.Linear's function.
     ("transformers.models.falcon.modeling_falcon", "FalconLinear"): _linear_by_name,
+    # timm's Linear (MobileNetV3's, GhostNet's, Inception-v3's classifier, …) calls
+    # F.linear itself (casting its weight to the input's dtype under TorchScript);
+    # its home before timm 0.9 was timm.models.layers.linear.
+    ("timm.layers.linear", "Linear"): _linear_by_name,
+    ("timm.models.layers.linear", "Linear"): _linear_by_name,
 }
 
 #: Factories of classes matched by ``(module prefix, class-name suffix)``, for

@@ -4,7 +4,8 @@
   W[i]``. kaisa takes it for the plain lookup followed by a multiplication
   by ``embed_scale`` outside the module, whose steps it must take (float64),
   tied head or not; one that is not that product is left raw with a reason.
-* ``FalconLinear`` computes ``x Wᵀ + b`` itself: the steps of ``nn.Linear``.
+* ``FalconLinear`` and timm's ``Linear`` compute ``x Wᵀ + b`` themselves: the steps of
+  ``nn.Linear``.
 * An encoder-decoder's ``shared`` embedding is a module that holds the
   weight its encoder, decoder and head use but never runs itself. The
   summed curvature of the uses that run must precondition the weight, with
@@ -170,9 +171,22 @@ class FalconNet(nn.Module):
         return self.out(self.fc(x).tanh())
 
 
-def test_falcon_linear_takes_the_steps_of_nn_linear() -> None:
+class TimmLinear(nn.Linear):
+    """timm's ``timm.layers.linear.Linear`` as it computes outside TorchScript (timm
+    is not installable beside the pinned torch: it needs torchvision)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.linear(input, self.weight, self.bias)
+
+
+TimmLinear.__module__ = "timm.layers.linear"
+TimmLinear.__qualname__ = "Linear"
+
+
+@pytest.mark.parametrize("make", [FalconLinear, TimmLinear], ids=["falcon", "timm"])
+def test_a_linear_known_by_name_takes_the_steps_of_nn_linear(make: type[nn.Linear]) -> None:
     torch.manual_seed(0)
-    net = FalconNet(FalconLinear).double()
+    net = FalconNet(make).double()
     ref = FalconNet(nn.Linear).double()
     ref.load_state_dict(net.state_dict())
     pres = [kaisa.KFACPreconditioner(m, curvature="exact", **COMMON) for m in (net, ref)]
