@@ -11,6 +11,8 @@
 #          the language-model configuration, $GPT_SEEDS seeds (default 0)
 #   images the three image workloads likewise, $IMAGE_SEEDS seeds (default 0)
 #   gpt-defaults  the gpt workload with kaisa's defaults: AdamW, Muon, AdamW + kaisa
+#   timm   benchmarks/timm_coverage.py on the GPU: timm's models (the image has timm
+#          and torchvision; the pinned CPU machines do not), coverage and a short run
 #   eigh   benchmarks/eigh_devices.py: one eigendecomposition on the CPU and the GPU
 #   refresh  benchmarks/refresh_cost.py --part sides on the GPU: the refresh's
 #          finiteness check and a warm low-rank refresh with it, session 25's way and now
@@ -41,7 +43,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}
 } 2>&1 | tee "$out/machine.txt"
 
 LM_KFAC="--factor-update-steps 5 --inv-update-steps 5 --eigenvalue-correction ekfac \
---eigenbasis-tolerance 0.05 --time-budget 2 --adaptive-intervals on"
+--eigenbasis-tolerance 0.05 --time-budget 1.25 --adaptive-intervals on"
 demo=(python3 -m kaisa.demo.cli --device "${DEVICE:-cuda}" --data-dir .gpu/fashion-mnist
     --text-dir .gpu/fortunes --no-progress)
 part() {  # part NAME SECONDS COMMAND...
@@ -65,6 +67,8 @@ for p in ${parts//,/ }; do
         --out "$out/images" ;;
     gpt-defaults) part gpt-defaults 300 "${demo[@]}" --workload gpt \
         --arms adamw,muon,kaisa-adamw --seeds "${GPT_SEEDS:-0}" --out "$out/gpt-defaults" ;;
+    timm) part timm 150 python3 benchmarks/timm_coverage.py --device "${DEVICE:-cuda}" \
+        --json "$out/timm.json" ;;
     eigh) part eigh 120 python3 benchmarks/eigh_devices.py --json "$out/eigh.json" ;;
     refresh) part refresh 120 python3 benchmarks/refresh_cost.py --part sides \
         --device "${DEVICE:-cuda}" --json "$out/refresh.json" ;;
