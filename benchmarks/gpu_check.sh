@@ -13,6 +13,8 @@
 #   gpt-defaults  the gpt workload with kaisa's defaults: AdamW, Muon, AdamW + kaisa
 #   timm   benchmarks/timm_coverage.py on the GPU: timm's models (the image has timm
 #          and torchvision; the pinned CPU machines do not), coverage and a short run
+#   transfer  benchmarks/timm_lr_transfer.py on the GPU: timm models on Fashion-MNIST,
+#          AdamW alone and AdamW + kaisa at AdamW's rates ($TRANSFER_MODELS)
 #   eigh   benchmarks/eigh_devices.py: one eigendecomposition on the CPU and the GPU
 #   refresh  benchmarks/refresh_cost.py --part sides on the GPU: the refresh's
 #          finiteness check and a warm low-rank refresh with it, session 25's way and now
@@ -69,6 +71,9 @@ for p in ${parts//,/ }; do
         --arms adamw,muon,kaisa-adamw --seeds "${GPT_SEEDS:-0}" --out "$out/gpt-defaults" ;;
     timm) part timm 150 python3 benchmarks/timm_coverage.py --device "${DEVICE:-cuda}" \
         --json "$out/timm.json" ;;
+    transfer) part transfer 240 python3 benchmarks/timm_lr_transfer.py --device "${DEVICE:-cuda}" \
+        --data-dir .gpu/fashion-mnist --models "${TRANSFER_MODELS:-resnet18,convnext_atto,vit_tiny_patch16_224,efficientnet_b0}" \
+        --json "$out/transfer.json" ;;
     eigh) part eigh 120 python3 benchmarks/eigh_devices.py --json "$out/eigh.json" ;;
     refresh) part refresh 120 python3 benchmarks/refresh_cost.py --part sides \
         --device "${DEVICE:-cuda}" --json "$out/refresh.json" ;;

@@ -85,7 +85,12 @@ def _survey(name: str) -> dict[str, Any]:
             done += p.numel()
             continue
         module = t.parameter.rsplit(".", 1)[0]
-        warned = any(f"'{module}'" in m or f"'{t.parameter}'" in m for m in messages)
+        # A warning names its first eight modules, then "and N more: <reason>".
+        kind = t.reason.split(" (")[0]
+        warned = any(
+            f"'{module}'" in m or f"'{t.parameter}'" in m or (" more: " in m and kind in m)
+            for m in messages
+        )
         raw.append(
             {"parameter": t.parameter, "elements": p.numel(), "reason": t.reason, "warned": warned}
         )
