@@ -78,7 +78,11 @@ def _run(
     model.to(args.device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(s, args.steps))
-    pre = kaisa.KFACPreconditioner(model, optimizer=optimizer) if with_kaisa else None
+    pre = (
+        kaisa.KFACPreconditioner(model, optimizer=optimizer, **json.loads(args.kfac))
+        if with_kaisa
+        else None
+    )
     order = torch.Generator().manual_seed(1000 + seed)
     curve: list[tuple[int, float]] = []
     losses: list[float] = []
@@ -114,6 +118,7 @@ def _run(
         "finite": all(math.isfinite(v) for v in losses),
         "ms_per_step": 1000 * elapsed / args.steps,
         "raw": raw,
+        "kfac": json.loads(args.kfac) if with_kaisa else None,
     }
 
 
@@ -128,6 +133,10 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--test-images", type=int, default=10000, help="the first N test images")
+    parser.add_argument(
+        "--kfac", default="{}", help="KFACPreconditioner options as JSON (default: its defaults)"
+    )
+    parser.add_argument("--arms", default="adamw,kaisa", help="adamw, kaisa or both")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -151,7 +160,8 @@ def main() -> None:
             start = timm.create_model(
                 name, pretrained=False, num_classes=10, in_chans=1, **MODELS[name]
             ).state_dict()
-            for with_kaisa in (False, True):
+            arms = args.arms.split(",")
+            for with_kaisa in [a == "kaisa" for a in ("adamw", "kaisa") if a in arms]:
                 for lr in lrs:
                     row = _run(name, start, data, lr, with_kaisa, seed, args)
                     rows.append(row)
@@ -172,9 +182,11 @@ def main() -> None:
         "AdamW + kaisa at its best rate | ms/step AdamW, + kaisa |"
     )
     print("| --- | --- | --- | --- | --- | --- |")
-    for seed in {r["seed"] for r in rows}:
+    for seed in sorted({r["seed"] for r in rows}):
         for name in args.models.split(","):
             mine = [r for r in rows if r["model"] == name and r["seed"] == seed]
+            if {r["arm"] for r in mine} != {"adamw", "adamw+kaisa"}:
+                continue  # one arm only: its rows above are the result
             alone = max((r for r in mine if r["arm"] == "adamw"), key=lambda r: r["final_accuracy"])
             kaisa_rows = [r for r in mine if r["arm"] != "adamw"]
             same = next(r for r in kaisa_rows if r["lr"] == alone["lr"])

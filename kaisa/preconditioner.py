@@ -111,7 +111,7 @@ class KFACPreconditioner(StateDictOnly):
         model: the model (plain, DDP, a DeepSpeed engine with ZeRO 0, 1 or 2,
             FSDP2/HSDP's ``fully_shard``, tensor-parallel ``nn.Linear``: build the
             preconditioner after those; ``docs/deepspeed-fsdp.md``); its
-            ``nn.Linear``, ``nn.Conv1d``/``nn.Conv2d`` (groups = 1),
+            ``nn.Linear``, ``nn.Conv1d``/``nn.Conv2d`` (grouped ones too),
             ``nn.MultiheadAttention`` (four blocks) and ``nn.Embedding`` layers
             are registered (:meth:`coverage` lists every parameter's treatment).
         **options: every other argument is an option, named and meant as in the
@@ -187,7 +187,7 @@ class KFACPreconditioner(StateDictOnly):
         if not found:
             raise ValueError(
                 f"model ({type(model).__name__}) has no layer K-FAC can precondition: kaisa "
-                "handles nn.Linear, nn.Conv1d/nn.Conv2d (groups=1), nn.MultiheadAttention "
+                "handles nn.Linear, nn.Conv1d/nn.Conv2d, nn.MultiheadAttention "
                 "and nn.Embedding whose parameters require gradients and that skip_layers "
                 "does not exclude"
             )

@@ -122,11 +122,11 @@ def test_conv1d_is_registered() -> None:
     assert not torch.equal(model[0].weight.grad, raw)
 
 
-def test_a_grouped_conv1d_is_skipped_with_a_warning() -> None:
+def test_a_grouped_conv1d_is_preconditioned() -> None:
     model = nn.Sequential(nn.Conv1d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(4, 2))
-    with pytest.warns(UserWarning, match="groups=2"):
-        pre = kaisa.KFACPreconditioner(model, lr=0.1)
-    assert [layer.name for layer in pre.layers] == ["2"]
+    pre = kaisa.KFACPreconditioner(model, lr=0.1)
+    assert [layer.name for layer in pre.layers] == ["0", "2"]
+    assert pre.coverage().raw() == []
 
 
 def test_skip_layers_on_a_container_leaves_everything_inside_it_raw() -> None:

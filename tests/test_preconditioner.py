@@ -171,12 +171,16 @@ def test_layers_found_and_left_alone() -> None:
             self.frozen = nn.Linear(4, 4)
             self.frozen.weight.requires_grad_(False)
             self.frozen.bias.requires_grad_(False)
-            self.grouped = nn.Conv2d(4, 4, 3, groups=2)
+            self.overriding = Doubled(4, 4)
             self.skipped = nn.Linear(4, 4)
             self.head = nn.Linear(4, 2)
             self.norm = nn.LayerNorm(4)
 
-    with pytest.warns(UserWarning, match="grouped"):
+    class Doubled(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
+    with pytest.warns(UserWarning, match="overrides nn.Linear.forward"):
         pre = kaisa.KFACPreconditioner(Net(), lr=0.1, skip_layers=["skipped"])
     assert [layer.name for layer in pre.layers] == ["head"]
     with pytest.raises(ValueError, match="no layer"):

@@ -33,8 +33,13 @@ def _loss(model: nn.Module) -> torch.Tensor:
     return F.cross_entropy(model(x), y)
 
 
-def grouped_conv_at_construction() -> None:
-    model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(4, 2))
+class _Doubled(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+def overriding_subclass_at_construction() -> None:
+    model = nn.Sequential(_Doubled(6, 4), nn.Linear(4, 2))
     kaisa.KFACPreconditioner(model, lr=0.1)
 
 
@@ -107,7 +112,7 @@ def idle_layer() -> None:
 
 
 CASES: dict[str, tuple[Callable[..., None], str]] = {
-    "grouped conv": (grouped_conv_at_construction, "grouped convolution"),
+    "overriding subclass": (overriding_subclass_at_construction, "overrides nn.Linear.forward"),
     "forward without backward": (forward_without_backward, "without a backward pass"),
     "abandoned iteration": (abandoned_iteration, "captures are discarded"),
     "fewer passes": (fewer_passes_than_accumulation_steps, "accumulation_steps=2"),

@@ -4,7 +4,7 @@ A K-FAC layer with input side ``a`` and output side ``g`` has factors
 ``A`` (``a × a``) and ``G`` (``g × g``):
 
 * ``nn.Linear``: ``a = in_features (+1 with a bias)``, ``g = out_features``;
-* ``nn.Conv2d`` (``groups == 1``): ``a = C_in·kh·kw (+1 with a bias)``,
+* ``nn.Conv2d``: ``a = (C_in / groups)·kh·kw (+1 with a bias)``,
   ``g = C_out``.
 
 ``resnet50_shapes`` and ``bert_shapes`` write these down for the published
@@ -38,10 +38,18 @@ def linear_shape(name: str, in_features: int, out_features: int, bias: bool = Tr
 
 
 def conv2d_shape(
-    name: str, in_channels: int, out_channels: int, kernel_size: int, bias: bool = False
+    name: str,
+    in_channels: int,
+    out_channels: int,
+    kernel_size: int,
+    bias: bool = False,
+    groups: int = 1,
 ) -> LayerShape:
-    """Factor sides of a square-kernel ``nn.Conv2d`` with ``groups=1``."""
-    return LayerShape(name, in_channels * kernel_size * kernel_size + int(bias), out_channels)
+    """Factor sides of a square-kernel ``nn.Conv2d`` (one ``A`` shared by its ``groups``;
+    a depthwise layer's ``G``, diagonal, held as a diagonal side)."""
+    a = in_channels // groups * kernel_size * kernel_size + int(bias)
+    depthwise = groups > 1 and out_channels == groups
+    return LayerShape(name, a, out_channels, "exact", "diagonal" if depthwise else "exact")
 
 
 def resnet50_shapes(num_classes: int = 1000) -> list[LayerShape]:

@@ -1,4 +1,4 @@
-"""The geometry of a ``groups == 1`` convolution, as the 2-D convolution kaisa computes.
+"""The geometry of a convolution (one group's), as the 2-D convolution kaisa computes.
 
 Kernel, stride, dilation, resolved padding and the output size are read off
 the module here once; the factor algorithms (:mod:`kaisa.layers._conv_patches`,
@@ -28,14 +28,16 @@ def _one_row(value: int | tuple[int, ...], row: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class ConvGeometry:
-    """A ``groups == 1`` convolution as the 2-D convolution the handlers compute.
+    """A convolution as the 2-D convolution the handlers compute.
 
     ``nn.Conv2d`` as it is; ``nn.Conv1d`` as the 2-D convolution of its input
     viewed as one row, ``(N, C_in, 1, L)``: kernel ``(1, k)``, stride
-    ``(1, s)``, dilation ``(1, d)`` and padding on the columns only.
+    ``(1, s)``, dilation ``(1, d)`` and padding on the columns only. A grouped
+    convolution (``groups = g``) as the convolution of one group's input
+    channels, ``C_in / g``: the columns of its weight's rows.
 
     Attributes:
-        in_channels: ``C_in``.
+        in_channels: ``C_in / groups``, the input channels each output sees.
         out_channels: ``C_out``.
         kernel: ``(kh, kw)``.
         stride: ``(sh, sw)``.
@@ -78,7 +80,7 @@ class ConvGeometry:
             ph, pw = pads
             padding = (pw, pw, ph, ph)
         return cls(
-            in_channels=conv.in_channels,
+            in_channels=conv.in_channels // conv.groups,
             out_channels=conv.out_channels,
             kernel=kernel,
             stride=stride,

@@ -1,9 +1,9 @@
-"""``nn.Conv2d`` and ``nn.Conv1d`` (groups = 1): factors from im2col patches (spec §3, Conv2d).
+"""``nn.Conv2d`` and ``nn.Conv1d``: factors from im2col patches (spec §3, Conv2d).
 
 With ``P`` the ``(N·T, C_in·kh·kw)`` patch matrix (``T = H_out·W_out``),
 ``ā = [P | 1] / T`` and ``A_batch = āᵀā / (N·T)``; ``δ`` is reshaped to
 ``(N·T, C_out)`` and divided by ``T``, ``G_batch = δᵀδ / (N·T)``.
-``nn.Conv1d`` (groups = 1, :class:`Conv1dHandler`) is the same computation on
+``nn.Conv1d`` (:class:`Conv1dHandler`) is the same computation on
 its input viewed as one row of pixels, ``(N, C_in, 1, L)``, with a ``(1, k)``
 kernel, so everything below holds for it with ``kh = 1``.
 
@@ -31,6 +31,23 @@ output positions *before* the outer product, ``ā_n = mean_t ā_nt`` and
 equals the default ('expand'), so damping values carry over; it costs ``N``
 rows instead of ``N·T`` and never builds the patch matrix (the position means
 of the patches are two small products with 0/1 selection matrices).
+
+**Grouped convolutions** (``groups = g > 1``: ResNeXt, RegNet, and the
+depthwise convolutions of MobileNet, EfficientNet, ConvNeXt;
+:class:`GroupedConv2dHandler`, :class:`GroupedConv1dHandler`). Group ``j``
+maps its ``C_in / g`` input channels to its ``C_out / g`` outputs with its own
+weight rows, so its Fisher block is ``G_j ⊗ A_j`` and the layer's is
+block-diagonal over the groups. kaisa holds ``G`` as the ``C_out × C_out``
+block-diagonal matrix of the ``G_j`` (the output gradient's gram with the
+products across groups left out), and one ``A`` for every group: the mean
+``Ā = mean_j A_j`` of the groups' patch factors, each group's patches rows of
+one ``(C_in / g)·kh·kw``-column patch matrix. The solve
+``G⁻¹ ∇ Ā⁻¹`` of the ``(C_out, (C_in / g)·kh·kw)`` weight matrix then
+preconditions each group's rows by ``G_j⁻¹ · Ā⁻¹``: exactly K-FAC per group
+where the groups' inputs have the same second moments, and otherwise
+``A_j`` shared as K-FAC shares it over positions. A depthwise ``3 × 3``
+convolution of ``C`` channels is a ``10 × 10`` ``Ā`` (with its bias) and a
+diagonal ``G``, which it holds as its diagonal unless told otherwise.
 """
 
 from __future__ import annotations
@@ -58,9 +75,12 @@ __all__ = [
     "Conv2dReduceHandler",
     "ConvEstimator",
     "ConvGeometry",
+    "GroupedConv1dHandler",
+    "GroupedConv1dReduceHandler",
+    "GroupedConv2dHandler",
+    "GroupedConv2dReduceHandler",
     "conv1d_handler",
     "conv2d_handler",
-    "unsupported_reason",
 ]
 
 ConvEstimator = Literal["expand", "reduce"]
@@ -86,12 +106,14 @@ _Handler = TypeVar("_Handler", bound="_ConvHandler")
 
 
 class _ConvHandler(LayerHandler):
-    """A ``groups == 1`` convolution read off its :class:`ConvGeometry`; 'expand' factors.
+    """A convolution read off its :class:`ConvGeometry`; 'expand' factors.
 
     Every method takes the layer's own input and output-gradient shapes and
     first views them as a batch of 2-D maps ``(N, C, H, W)``
-    (:meth:`_batched`); the subclasses say how. The 'reduce' subclasses
-    (:class:`_ReduceEstimator`) replace the factor sums.
+    (:meth:`_batched`); the subclasses say how. The ``A`` side's methods take
+    the input as :meth:`_a_batched` views it (a grouped convolution's groups
+    as samples). The 'reduce' subclasses (:class:`_ReduceEstimator`) replace
+    the factor sums; the grouped ones (:class:`_Grouped`) take ``groups > 1``.
 
     ``estimator='reduce'`` given to an 'expand' class constructs its 'reduce'
     variant instead (``Conv2dHandler(conv, estimator='reduce')`` is a
@@ -104,6 +126,8 @@ class _ConvHandler(LayerHandler):
 
     module: nn.Conv1d | nn.Conv2d
     _module_type: ClassVar[type[nn.Conv1d] | type[nn.Conv2d]]
+    #: Whether this class takes ``groups > 1``.
+    _grouped: ClassVar[bool] = False
 
     def __new__(
         cls: type[_Handler],
@@ -134,8 +158,11 @@ class _ConvHandler(LayerHandler):
         name = type(self).__name__
         if not isinstance(module, self._module_type):
             raise TypeError(f"{name} needs an nn.{self._module_type.__name__}, got {module!r}")
-        if module.groups != 1:
-            raise ValueError(f"{name} supports groups=1 only, got groups={module.groups}")
+        if module.groups != 1 and not self._grouped:
+            raise ValueError(
+                f"{name} supports groups=1 only, got groups={module.groups} "
+                f"(use Grouped{name} or conv{'1' if name.startswith('Conv1d') else '2'}d_handler)"
+            )
         if (
             estimator is not None
             and one_of("estimator", estimator, CONV_ESTIMATORS) != self.estimator
@@ -143,6 +170,9 @@ class _ConvHandler(LayerHandler):
             raise ValueError(f"{name} is the {self.estimator!r} estimator; got {estimator!r}")
         super().__init__(module)
         self.geometry = ConvGeometry.of(module)
+        if module.groups > 1 and module.out_channels == module.groups:
+            # One output a group (depthwise): G is diagonal, held as its diagonal.
+            self.default_sides = (None, "diagonal")
         self.a_size = self.geometry.columns + (1 if module.bias is not None else 0)
         self.g_size = self.geometry.out_channels
         self.max_patch_bytes = max_patch_bytes
@@ -160,6 +190,10 @@ class _ConvHandler(LayerHandler):
         A ``(N, C, H, W)`` tensor is returned as it is, so the methods can pass
         their converted tensors to one another.
         """
+
+    def _a_batched(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as the ``A`` side's sums take it: :meth:`_batched` (see :class:`_Grouped`)."""
+        return self._batched(x)
 
     def sample_rows(
         self, which: str, t: torch.Tensor, keep: float, generator: torch.Generator
@@ -191,7 +225,7 @@ class _ConvHandler(LayerHandler):
             if not fits:
                 return None
             sizes.append(fits[0])
-        shape = (1, g.in_channels, *sizes)
+        shape = (1, self.module.in_channels, *sizes)
         x = torch.randn(shape, generator=generator, dtype=torch.float64).to(self.weight)
         return (x.squeeze(2) if isinstance(self.module, nn.Conv1d) else x,)
 
@@ -201,7 +235,7 @@ class _ConvHandler(LayerHandler):
         Two small products with 0/1 selection matrices; the patch matrix
         itself is never built (see :func:`kaisa.layers._conv_patches.patch_means`).
         """
-        return patches.patch_means(self._batched(x), self.geometry)
+        return patches.patch_means(self._a_batched(x), self.geometry)
 
     def a_sum(self, x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         if self._prefers_shifted:
@@ -218,7 +252,11 @@ class _ConvHandler(LayerHandler):
         :meth:`shifted_sum` does not apply.
         """
         return patches.patch_gram(
-            self._batched(x), self.geometry, out, bias=self.has_bias, max_bytes=self.max_patch_bytes
+            self._a_batched(x),
+            self.geometry,
+            out,
+            bias=self.has_bias,
+            max_bytes=self.max_patch_bytes,
         )
 
     def shifted_sum(
@@ -238,7 +276,7 @@ class _ConvHandler(LayerHandler):
                 f"1x1; got {self.module!r} (use patch_sum)"
             )
         return self._shifted.gram(
-            self._batched(x), out, bias=self.has_bias, max_bytes=self.max_shift_bytes
+            self._a_batched(x), out, bias=self.has_bias, max_bytes=self.max_shift_bytes
         )
 
     def g_sum(
@@ -250,9 +288,15 @@ class _ConvHandler(LayerHandler):
         scale = 1.0 / positions**2
         if positions >= c and grad_output.is_contiguous():
             blocks = grad_output.reshape(n, c, positions)
-            return _sample_block_gram(blocks, out, scale, self.max_patch_bytes), n * positions
-        rows = grad_output.permute(0, 2, 3, 1).reshape(n * positions, c)
-        return gram(rows, out, scale), n * positions
+            total = _sample_block_gram(blocks, out, scale, self.max_patch_bytes)
+        else:
+            rows = grad_output.permute(0, 2, 3, 1).reshape(n * positions, c)
+            total = gram(rows, out, scale)
+        return self._g_kept(total), n * positions
+
+    def _g_kept(self, total: torch.Tensor) -> torch.Tensor:
+        """The ``G`` sum as the layer holds it (all of it; grouped: :class:`_Grouped`)."""
+        return total
 
     def capture_work(self, which: str, capture: str, rows: float) -> float:
         """As :meth:`LayerHandler.capture_work`, for the 'expand' products.
@@ -279,7 +323,7 @@ class _ConvHandler(LayerHandler):
         or adds zeros, so the patches of ``x²`` are the squared patches of
         ``x``); the patch matrix is never built.
         """
-        x = self._batched(x)
+        x = self._a_batched(x)
         x = x.to(accumulator_dtype(x))
         n = x.shape[0]
         means, positions = self.patch_means(x)  # Σ_T p / T per sample
@@ -337,7 +381,7 @@ class _ReduceEstimator(_ConvHandler):
     estimator: ClassVar[ConvEstimator] = "reduce"
 
     def a_sum(self, x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-        x = self._batched(x)
+        x = self._a_batched(x)
         means, positions = self.patch_means(x)
         scale = 1.0 / positions**2
         out = gram_with_ones(means, out, scale) if self.has_bias else gram(means, out, scale)
@@ -348,7 +392,7 @@ class _ReduceEstimator(_ConvHandler):
     ) -> tuple[torch.Tensor, int]:
         grad_output = self._batched(grad_output)
         n, _, h, w = grad_output.shape
-        return gram(grad_output.mean(dim=(2, 3)), out, 1.0 / (h * w) ** 2), n
+        return self._g_kept(gram(grad_output.mean(dim=(2, 3)), out, 1.0 / (h * w) ** 2)), n
 
     def capture_work(self, which: str, capture: str, rows: float) -> float:
         """Plain products (:meth:`LayerHandler.capture_work`): ``rows`` are already per sample."""
@@ -356,7 +400,8 @@ class _ReduceEstimator(_ConvHandler):
 
 
 class Conv2dHandler(_ConvHandler):
-    """A ``groups == 1`` 2-D convolution with any stride, padding mode and dilation.
+    """A ``groups == 1`` 2-D convolution with any stride, padding mode and dilation
+    (:class:`GroupedConv2dHandler` for ``groups > 1``).
 
     Inputs ``(N, C_in, H, W)`` or ``(C_in, H, W)``, output gradients likewise.
     """
@@ -408,47 +453,93 @@ class Conv1dReduceHandler(_ReduceEstimator, Conv1dHandler):
     """:class:`Conv1dHandler` with the 'reduce' estimator."""
 
 
+class _Grouped(_ConvHandler):
+    """A grouped convolution (see the module's docstring): one ``Ā`` over the groups,
+    ``G`` block-diagonal by group.
+
+    The ``A`` side's sums take the input's groups as samples,
+    ``(N, C_in, H, W) → (N·g, C_in / g, H, W)``, so their rows are every
+    group's patches and their row count ``N·g·T`` (a mean over groups); the
+    ``G`` side's gram leaves out the products of outputs of different groups.
+    """
+
+    kind = "kronecker (grouped convolution)"
+    _grouped = True
+
+    def _a_batched(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._batched(x)
+        groups = self.module.groups
+        n, c, h, w = x.shape
+        if groups == 1 or c != self.module.in_channels:  # one group, or already taken apart
+            return x
+        return x.reshape(n * groups, c // groups, h, w)
+
+    def _group_mask(self, out: torch.Tensor) -> torch.Tensor:
+        """``(C_out, C_out)``: 1 where two outputs share a group, else 0."""
+        groups, c = self.module.groups, self.g_size
+        mask = getattr(self, "_mask", None)
+        if mask is None or mask.device != out.device or mask.dtype != out.dtype:
+            group = torch.arange(c, device=out.device) // (c // groups)
+            mask = (group[:, None] == group[None, :]).to(out.dtype)
+            self._mask = mask
+        return mask
+
+    def _g_kept(self, total: torch.Tensor) -> torch.Tensor:
+        return total.mul_(self._group_mask(total)) if self.module.groups > 1 else total
+
+    def training_work(self, rows: float) -> float:
+        """As :meth:`LayerHandler.training_work`, with ``rows`` the ``A`` side's (``N·g·T``)."""
+        return super().training_work(rows / self.module.groups)
+
+
+class GroupedConv2dHandler(_Grouped, Conv2dHandler):
+    """A grouped 2-D convolution (``groups ≥ 1``; depthwise included), 'expand' factors."""
+
+
+class GroupedConv1dHandler(_Grouped, Conv1dHandler):
+    """A grouped 1-D convolution (``groups ≥ 1``; depthwise included), 'expand' factors."""
+
+
+class GroupedConv2dReduceHandler(_ReduceEstimator, GroupedConv2dHandler):
+    """:class:`GroupedConv2dHandler` with the 'reduce' estimator."""
+
+
+class GroupedConv1dReduceHandler(_ReduceEstimator, GroupedConv1dHandler):
+    """:class:`GroupedConv1dHandler` with the 'reduce' estimator."""
+
+
 #: The 'reduce' class of each 'expand' class.
 _REDUCE_VARIANTS: dict[type[_ConvHandler], type[_ConvHandler]] = {
     Conv2dHandler: Conv2dReduceHandler,
     Conv1dHandler: Conv1dReduceHandler,
+    GroupedConv2dHandler: GroupedConv2dReduceHandler,
+    GroupedConv1dHandler: GroupedConv1dReduceHandler,
 }
-
-
-def unsupported_reason(module: nn.Module) -> str | None:
-    """Why the convolution factories skip ``module`` (``None``: they do not).
-
-    A grouped convolution (``groups != 1``) is left raw.
-    """
-    if isinstance(module, (nn.Conv1d, nn.Conv2d)) and module.groups != 1:
-        return f"grouped convolution (groups={module.groups}) is not preconditioned"
-    return None
 
 
 def conv2d_handler(
     module: nn.Module, conv_estimator: ConvEstimator = "expand", **_: object
-) -> Conv2dHandler | None:
+) -> Conv2dHandler:
     """Handler factory for ``nn.Conv2d`` (``register_handler(nn.Conv2d, conv2d_handler)``).
 
     A :class:`Conv2dHandler` or :class:`Conv2dReduceHandler` by
-    ``conv_estimator``; ``None`` (skip the module) where
-    :func:`unsupported_reason` says so (a grouped convolution).
+    ``conv_estimator``; their grouped classes for ``groups > 1``.
     """
     assert isinstance(module, nn.Conv2d)
-    if unsupported_reason(module) is not None:
-        return None
+    if module.groups > 1:
+        return GroupedConv2dHandler(module, estimator=conv_estimator)
     return Conv2dHandler(module, estimator=conv_estimator)
 
 
 def conv1d_handler(
     module: nn.Module, conv_estimator: ConvEstimator = "expand", **_: object
-) -> Conv1dHandler | None:
+) -> Conv1dHandler:
     """Handler factory for ``nn.Conv1d`` (``register_handler(nn.Conv1d, conv1d_handler)``).
 
     As :func:`conv2d_handler`: a :class:`Conv1dHandler` or
-    :class:`Conv1dReduceHandler`, ``None`` for a grouped convolution.
+    :class:`Conv1dReduceHandler`, their grouped classes for ``groups > 1``.
     """
     assert isinstance(module, nn.Conv1d)
-    if unsupported_reason(module) is not None:
-        return None
+    if module.groups > 1:
+        return GroupedConv1dHandler(module, estimator=conv_estimator)
     return Conv1dHandler(module, estimator=conv_estimator)

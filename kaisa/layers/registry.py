@@ -35,7 +35,7 @@ from torch import nn
 
 from kaisa.layers.attention import attention_handlers
 from kaisa.layers.base import LayerHandler
-from kaisa.layers.conv import conv1d_handler, conv2d_handler, unsupported_reason
+from kaisa.layers.conv import conv1d_handler, conv2d_handler
 from kaisa.layers.embedding import (
     embedding_handler,
     scaled_embedding_handler,
@@ -306,13 +306,11 @@ class _Raw:
     """Why a module with parameters is left raw.
 
     ``reason`` goes to the coverage table. With ``group`` set, the module is
-    also warned about: one warning for all the modules of one ``group``,
-    each named with its ``detail``.
+    also warned about: one warning for all the modules of one ``group``.
     """
 
     reason: str
     group: str = ""
-    detail: str = ""
     #: A module kaisa knows nothing of (no handler, not a norm): its
     #: parameters of two or more dimensions are named in one warning.
     unknown: bool = False
@@ -332,15 +330,6 @@ def _why_unhandled(module: nn.Module) -> _Raw:
         if refusal is not None:
             refused = f"{type(module).__name__}: {refusal}, so it is not preconditioned"
             return _Raw(refused, group=refused)
-    reason = unsupported_reason(module)
-    if reason is not None:
-        groups = getattr(module, "groups", "?")
-        return _Raw(
-            reason,
-            group="grouped convolutions (groups > 1) are not preconditioned: K-FAC's Kronecker "
-            "factors here need groups=1",
-            detail=f"groups={groups}",
-        )
     if isinstance(module, nn.Embedding) and module.sparse:
         reason = "sparse embedding (sparse=True): sparse gradients are not preconditioned"
         return _Raw(reason, group=reason)
@@ -388,10 +377,7 @@ def _skip_warnings(skipped: Mapping[str, Sequence[tuple[str, nn.Module, _Raw]]])
                 f"kaisa: skipping {label!r} ({module}): {why.reason}; its gradients are left as is"
             )
             continue
-        named = [
-            f"{label!r} ({why.detail})" if why.detail else repr(label)
-            for label, _, why in members[:_NAMED_IN_WARNING]
-        ]
+        named = [repr(label) for label, _, _ in members[:_NAMED_IN_WARNING]]
         if len(members) > _NAMED_IN_WARNING:
             named.append(f"and {len(members) - _NAMED_IN_WARNING} more")
         messages.append(

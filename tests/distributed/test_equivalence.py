@@ -174,8 +174,26 @@ class Attention(nn.Module):
         return self.head(h.mean(1))
 
 
+class Grouped(nn.Module):
+    """Grouped convolutions: a depthwise one (with bias) and one of two groups (without)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.depthwise = nn.Conv2d(4, 4, 3, padding=1, groups=4)
+        self.grouped = nn.Conv2d(4, 6, 3, stride=2, groups=2, bias=False)
+        self.head = nn.Linear(6 * 2 * 2, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.conv(x))
+        x = torch.tanh(self.depthwise(x))
+        x = torch.tanh(self.grouped(x))
+        return self.head(x.flatten(1))
+
+
 MODELS = {
     "net": Net,
+    "grouped": Grouped,
     "shared": SharedNet,
     "one_layer": OneLayer,
     "branchy": Branchy,
@@ -323,6 +341,9 @@ def configs(world_size: int) -> list[Config]:
             Config(f, "inverse", relative=True, accumulation_steps=2, colocate_factors=False),
             # Attention, an embedding and a Conv1d (issue 16).
             Config(f, "eigen", model="attention", ddp=i % 2 == 0),
+            # Grouped and depthwise convolutions (session 43).
+            Config(f, "eigen", model="grouped", ddp=i % 2 == 1, symmetry_aware=i % 2 == 0),
+            Config(f, "inverse", model="grouped", accumulation_steps=2, ddp=i % 2 == 0),
             # Eigenvalue correction (S with the gradient workers), grafting (issue 31).
             # The corrected solve is not invariant to the basis chosen inside a
             # (near-)degenerate eigenspace, which summation order decides: the

@@ -10,6 +10,7 @@ from kaisa.distributed.layer_shapes import (
     SHAPE_MODELS,
     bert_base_shapes,
     bert_large_shapes,
+    conv2d_shape,
     resnet50_shapes,
 )
 from kaisa.distributed.plan import LayerShape
@@ -73,6 +74,7 @@ class Toy(nn.Module):
 def test_module_layer_shapes() -> None:
     assert module_layer_shapes(Toy()) == [
         LayerShape("conv", 3 * 3 * 5 + 1, 8),
+        LayerShape("depthwise", 1 * 3 * 3 + 1, 8, "exact", "diagonal"),  # one channel a group
         LayerShape("embed", 10, 4, "diagonal", "exact"),
         LayerShape("head.0", 16, 7),
         LayerShape("head.2", 8, 2),
@@ -87,6 +89,7 @@ def test_module_layer_shapes_skip_layers() -> None:
     ]
     assert [s.name for s in module_layer_shapes(Toy(), skip_layers=[r"^head\.2$"])] == [
         "conv",
+        "depthwise",
         "embed",
         "head.0",
     ]
@@ -128,3 +131,10 @@ def test_transformer_layer_kinds_are_counted_with_their_sizes() -> None:
     vit = [s.name for s in module_layer_shapes(ViT())]
     assert vit[0] == "patch_embed" and vit[-1] == "head"
     assert "encoder.layers.1.self_attn.v" in vit and len(vit) == 2 + 2 * 6
+
+
+def test_a_grouped_conv2d_shape_is_what_the_registry_reads_off_the_module() -> None:
+    for c_in, c_out, groups, bias in ((8, 8, 8, False), (16, 32, 4, True), (6, 9, 1, True)):
+        module = nn.Sequential(nn.Conv2d(c_in, c_out, 3, groups=groups, bias=bias))
+        (read,) = module_layer_shapes(module)
+        assert conv2d_shape("0", c_in, c_out, 3, bias=bias, groups=groups) == read

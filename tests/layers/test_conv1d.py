@@ -377,7 +377,7 @@ def test_input_layouts() -> None:
 
 def test_factory_and_constructor_checks() -> None:
     grouped = nn.Conv1d(4, 4, 3, groups=2)
-    assert conv1d_handler(grouped) is None
+    assert type(conv1d_handler(grouped)).__name__ == "GroupedConv1dHandler"
     with pytest.raises(ValueError, match="groups=1 only"):
         Conv1dHandler(grouped)
     conv = nn.Conv1d(4, 6, 5, bias=False)

@@ -59,12 +59,15 @@ def test_reduce_is_its_own_handler_class(
 def test_the_factories_decide_on_grouped_convolutions() -> None:
     for grouped in (nn.Conv2d(4, 4, 3, groups=2), nn.Conv1d(4, 4, 3, groups=4)):
         factory = conv2d_handler if isinstance(grouped, nn.Conv2d) else conv1d_handler
-        assert factory(grouped) is None
-        reason = conv.unsupported_reason(grouped)
-        assert reason is not None and f"groups={grouped.groups}" in reason
-        assert registry.handler_for(grouped) is None
-    assert conv.unsupported_reason(nn.Conv2d(4, 4, 3)) is None
-    assert registry.handler_for(nn.Conv2d(4, 4, 3)) is not None
+        expand = (
+            conv.GroupedConv2dHandler if factory is conv2d_handler else conv.GroupedConv1dHandler
+        )
+        assert type(factory(grouped)) is expand
+        assert type(factory(grouped, conv_estimator="reduce")) is conv._REDUCE_VARIANTS[expand]
+        assert type(registry.handler_for(grouped)) is expand
+    assert type(registry.handler_for(nn.Conv2d(4, 4, 3))) is conv.Conv2dHandler
+    with pytest.raises(ValueError, match=r"groups=1 only.*GroupedConv2dHandler"):
+        conv.Conv2dHandler(nn.Conv2d(4, 4, 3, groups=2))
 
 
 GEOMETRIES = [
