@@ -1,7 +1,8 @@
 """HuggingFace models built tiny from their configurations, trained with kaisa's defaults.
 
 GPT-2, BERT, Llama (tied and untied), Gemma (its scaled token embedding
-tied to the head), Falcon (its own ``FalconLinear``), T5, BART and ViT: each is listed by
+tied to the head), Falcon (its own ``FalconLinear``), T5, BART, ConvNeXt (depthwise
+convolutions) and ViT: each is listed by
 ``coverage()``, trains a few steps with finite losses and weights, and has
 at least 99% of the elements of its trainable parameters of two or more
 dimensions preconditioned, not counting those a construction warning names
@@ -168,6 +169,22 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any], set
         ),
         _tokens,
         {"model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight"},
+    ),
+    "convnext": (
+        # Depthwise 7 × 7 convolutions (groups = channels) in every block.
+        lambda: hf.ConvNextForImageClassification(
+            hf.ConvNextConfig(
+                num_channels=3,
+                hidden_sizes=[8, 16],
+                depths=[1, 1],
+                num_stages=2,
+                image_size=16,
+                patch_size=2,
+                num_labels=5,
+            )
+        ),
+        _images,
+        set(),
     ),
     "vit": (
         lambda: hf.ViTForImageClassification(
