@@ -15,14 +15,12 @@ Needs ``transformers`` (``pip install '.[transformers]'``).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator
 
 import torch
 import transformers as hf
 from torch import nn
-
-from kaisa.layers import survey
+from weight_coverage import coverage
 
 
 def published() -> Iterator[tuple[str, Callable[[], nn.Module]]]:
@@ -99,33 +97,6 @@ def published() -> Iterator[tuple[str, Callable[[], nn.Module]]]:
     )
 
 
-def coverage(model: nn.Module) -> tuple[float, int, list[tuple[str, int, str, bool]]]:
-    """``(share preconditioned, elements, raw)`` over trainable parameters of ≥ 2 dims.
-
-    ``raw``: ``(parameter, elements, reason, warned)``; ``warned`` when a
-    construction warning names its module or the parameter.
-    """
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        found = survey(model)
-    messages = [str(w.message) for w in caught] + list(found.warnings)
-    params = dict(model.named_parameters())
-    total = done = 0
-    raw = []
-    for t in found.treatments:
-        p = params[t.parameter]
-        if p.ndim < 2 or not p.requires_grad:
-            continue
-        total += p.numel()
-        if t.kind != "raw":
-            done += p.numel()
-            continue
-        module = t.parameter.rsplit(".", 1)[0]
-        warned = any(f"'{module}'" in m or f"'{t.parameter}'" in m for m in messages)
-        raw.append((t.parameter, p.numel(), t.reason, warned))
-    return done / total, total, raw
-
-
 def main() -> None:
     rows = []
     for name, build in published():
@@ -137,8 +108,9 @@ def main() -> None:
     print("| --- | ---: | ---: | --- |")
     for name, share, total, raw in rows:
         listing = "; ".join(
-            f"`{p}` ({n / 1e6:.2f}M, {reason.split(':')[0]}, {'warned' if w else 'not warned'})"
-            for p, n, reason, w in raw
+            f"`{r.parameter}` ({r.elements / 1e6:.2f}M, {r.reason.split(':')[0]}, "
+            f"{'warned' if r.warned else 'not warned'})"
+            for r in raw
         )
         print(f"| {name} | {total / 1e6:.1f}M | {100 * share:.1f}% | {listing or '—'} |")
 

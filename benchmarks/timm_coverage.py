@@ -36,9 +36,9 @@ from typing import Any
 import timm
 import torch
 import torch.nn.functional as F
+from weight_coverage import coverage
 
 import kaisa
-from kaisa.layers import survey
 
 #: (timm name, options for the short run's smaller input)
 MODELS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -69,35 +69,11 @@ def _survey(name: str) -> dict[str, Any]:
     except (NotImplementedError, RuntimeError):  # an initialiser the meta device lacks
         model = timm.create_model(name, pretrained=False)
         where = "cpu"
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        found = survey(model)
-    messages = [str(w.message) for w in caught] + list(found.warnings)
-    params = dict(model.named_parameters())
-    total = done = 0
-    raw = []
-    for t in found.treatments:
-        p = params[t.parameter]
-        if p.ndim < 2 or not p.requires_grad:
-            continue
-        total += p.numel()
-        if t.kind != "raw":
-            done += p.numel()
-            continue
-        module = t.parameter.rsplit(".", 1)[0]
-        # A warning names its first eight modules, then "and N more: <reason>".
-        kind = t.reason.split(" (")[0]
-        warned = any(
-            f"'{module}'" in m or f"'{t.parameter}'" in m or (" more: " in m and kind in m)
-            for m in messages
-        )
-        raw.append(
-            {"parameter": t.parameter, "elements": p.numel(), "reason": t.reason, "warned": warned}
-        )
+    share, total, raw = coverage(model)
     return {
         "elements": total,
-        "preconditioned": done / total if total else math.nan,
-        "raw": raw,
+        "preconditioned": share,
+        "raw": [r._asdict() for r in raw],
         "built_on": where,
     }
 

@@ -323,11 +323,11 @@ class _ConvHandler(LayerHandler):
         or adds zeros, so the patches of ``x²`` are the squared patches of
         ``x``); the patch matrix is never built.
         """
-        x = self._a_batched(x)
+        x = self._batched(x)
         x = x.to(accumulator_dtype(x))
-        n = x.shape[0]
-        means, positions = self.patch_means(x)  # Σ_T p / T per sample
+        means, positions = self.patch_means(x)  # Σ_T p / T per sample (per group's sample)
         squares, _ = self.patch_means(x * x)  # Σ_T p² / T per sample
+        n = means.shape[0]
         d = means.shape[1]
         if out is None:
             out = x.new_zeros(2, self.a_size)
@@ -381,11 +381,10 @@ class _ReduceEstimator(_ConvHandler):
     estimator: ClassVar[ConvEstimator] = "reduce"
 
     def a_sum(self, x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-        x = self._a_batched(x)
         means, positions = self.patch_means(x)
         scale = 1.0 / positions**2
         out = gram_with_ones(means, out, scale) if self.has_bias else gram(means, out, scale)
-        return out, x.shape[0]
+        return out, means.shape[0]
 
     def g_sum(
         self, grad_output: torch.Tensor, out: torch.Tensor | None = None
@@ -468,11 +467,9 @@ class _Grouped(_ConvHandler):
 
     def _a_batched(self, x: torch.Tensor) -> torch.Tensor:
         x = self._batched(x)
-        groups = self.module.groups
         n, c, h, w = x.shape
-        if groups == 1 or c != self.module.in_channels:  # one group, or already taken apart
-            return x
-        return x.reshape(n * groups, c // groups, h, w)
+        groups = self.module.groups
+        return x if groups == 1 else x.reshape(n * groups, c // groups, h, w)
 
     def _group_mask(self, out: torch.Tensor) -> torch.Tensor:
         """``(C_out, C_out)``: 1 where two outputs share a group, else 0."""
