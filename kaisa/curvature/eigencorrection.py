@@ -265,16 +265,28 @@ def partial_solve(
 
     Each block is divided by its entries (``T`` coordinate by coordinate, a
     rest block by its one value per direction of the other side) and rotated
-    back: ``P = (U_G (T ⊘ D_T) + R_G ⊘ D_G) U_Aᵀ + U_G (R_A ⊘ D_A) + R / D_R``.
+    back: ``P = (U_G (T ⊘ D_T) + R_G ⊘ D_G) U_Aᵀ + U_G (R_A ⊘ D_A) + R / D_R``,
+    the products in whichever of two orders takes fewer multiply-adds.
     """
     top = rotation.top
     k_g, k_a = top.shape
-    inner = _left_back(qg, top / divided_by[:k_g, :k_a])  # (g, k_a)
-    if rotation.rest_g is not None:
-        inner = inner + rotation.rest_g / divided_by[k_g, :k_a]
-    out = _right_back(inner, qa)
-    if rotation.rest_a is not None:
-        out = out + _left_back(qg, rotation.rest_a / divided_by[:k_g, k_a : k_a + 1])
+    x = top / divided_by[:k_g, :k_a]
+    rest_g = None if rotation.rest_g is None else rotation.rest_g / divided_by[k_g, :k_a]
+    rest_a = None if rotation.rest_a is None else rotation.rest_a / divided_by[:k_g, k_a : k_a + 1]
+    # With an A rest, U_G [X U_Aᵀ + R_A ⊘ D_A] (+ (R_G ⊘ D_G) U_Aᵀ) takes one product
+    # with U_G where the order below takes two: fewer multiply-adds unless a G rest
+    # makes the gradient wider than tall.
+    if rest_a is not None and (rest_g is None or rest_g.shape[0] >= rest_a.shape[1]):
+        out = _left_back(qg, _right_back(x, qa).add_(rest_a))
+        if rest_g is not None:
+            out = out.add_(_right_back(rest_g, qa))
+    else:
+        inner = _left_back(qg, x)  # (g, k_a)
+        if rest_g is not None:
+            inner = inner + rest_g
+        out = _right_back(inner, qa)
+        if rest_a is not None:
+            out = out + _left_back(qg, rest_a)
     if rotation.rest_both is not None:
         out = out + rotation.rest_both / divided_by[k_g, k_a]
     return out

@@ -81,11 +81,13 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("correction", ["ekfac", "adam"])
 @pytest.mark.parametrize("relative", [False, True])
+@pytest.mark.parametrize("shape", [(7, 5), (5, 7)], ids=["tall", "wide"])
 def test_the_partial_solve_is_the_dense_system_in_the_completed_bases(
-    case: str, correction: str, relative: bool, scalar_reads: str
+    case: str, correction: str, relative: bool, shape: tuple[int, int], scalar_reads: str
 ) -> None:
+    """Both orders of the solve's products (a tall and a wide gradient) included."""
     gen = torch.Generator().manual_seed(11)
-    g, a = 7, 5
+    g, a = shape
     k_g_spec, k_a_spec = CASES[case]
     qg = None if k_g_spec == "diagonal" else _basis(g, k_g_spec, gen)  # type: ignore[arg-type]
     qa = None if k_a_spec == "diagonal" else _basis(a, k_a_spec, gen)  # type: ignore[arg-type]
