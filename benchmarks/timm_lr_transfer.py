@@ -43,6 +43,7 @@ MODELS: dict[str, dict[str, Any]] = {
     "convnext_atto": {},
     "vit_tiny_patch16_224": {"img_size": 32, "patch_size": 4},
     "efficientnet_b0": {},
+    "tf_efficientnet_b0": {},  # its strided convolutions pad as TensorFlow's 'SAME'
 }
 
 

@@ -8,6 +8,7 @@ take them from a :class:`ConvGeometry`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,10 @@ class ConvGeometry:
         padding: ``(left, right, top, bottom)`` (``F.pad``'s order), with
             ``'same'`` and ``'valid'`` resolved.
         pad_mode: the ``F.pad`` mode of the padding (``'constant'`` for zeros).
+        same: TensorFlow's ``'SAME'`` padding, computed for each input's size
+            (timm's ``Conv2dSame``; :meth:`same_padding`): the input is zero-padded
+            by :meth:`pad_same` first, and ``padding``, all zero, describes the
+            convolution of the padded input.
     """
 
     in_channels: int
@@ -54,10 +59,13 @@ class ConvGeometry:
     dilation: tuple[int, int]
     padding: tuple[int, int, int, int]
     pad_mode: str
+    same: bool = False
 
     @classmethod
-    def of(cls, conv: nn.Conv1d | nn.Conv2d) -> ConvGeometry:
-        """The 2-D geometry of ``conv``."""
+    def of(cls, conv: nn.Conv1d | nn.Conv2d, *, same: bool = False) -> ConvGeometry:
+        """The 2-D geometry of ``conv``; ``same``: it pads each input as TensorFlow's
+        ``'SAME'`` does before a convolution without padding (``ValueError`` if
+        ``conv`` has padding of its own)."""
         if isinstance(conv, nn.Conv1d):
             kernel, stride = _one_row(conv.kernel_size, 1), _one_row(conv.stride, 1)
             dilation = _one_row(conv.dilation, 1)
@@ -79,6 +87,11 @@ class ConvGeometry:
             assert not isinstance(pads, str)
             ph, pw = pads
             padding = (pw, pw, ph, ph)
+        if same and (any(padding) or conv.padding_mode != "zeros"):
+            raise ValueError(
+                "a convolution padded as TensorFlow's 'SAME' for each input must have "
+                f"padding=0 and padding_mode='zeros' itself; got {conv!r}"
+            )
         return cls(
             in_channels=conv.in_channels // conv.groups,
             out_channels=conv.out_channels,
@@ -87,6 +100,7 @@ class ConvGeometry:
             dilation=dilation,
             padding=padding,
             pad_mode="constant" if conv.padding_mode == "zeros" else conv.padding_mode,
+            same=same,
         )
 
     @property
@@ -99,8 +113,29 @@ class ConvGeometry:
         """Whether the convolution pads its input at all."""
         return any(self.padding)
 
+    def same_padding(self, h: int, w: int) -> tuple[int, int, int, int]:
+        """TensorFlow's ``'SAME'`` padding of an ``h × w`` input, in ``F.pad``'s order.
+
+        Along each axis of size ``n`` the output has ``⌈n / s⌉`` positions; the
+        padding that gives them, ``max((⌈n / s⌉ − 1)·s + (k − 1)·d + 1 − n, 0)``,
+        is split with the odd one after (right, bottom).
+        """
+        totals = []
+        for n, k, s, d in zip((h, w), self.kernel, self.stride, self.dilation, strict=True):
+            totals.append(max((math.ceil(n / s) - 1) * s + (k - 1) * d + 1 - n, 0))
+        th, tw = totals
+        return (tw // 2, tw - tw // 2, th // 2, th - th // 2)
+
+    def pad_same(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (``(N, C, H, W)``) as a :attr:`same` convolution sees it (itself otherwise)."""
+        if not self.same:
+            return x
+        padding = self.same_padding(x.shape[-2], x.shape[-1])
+        return F.pad(x, padding) if any(padding) else x
+
     def output_size(self, h: int, w: int) -> tuple[int, int]:
-        """``(H_out, W_out)`` for an (unpadded) ``h × w`` input."""
+        """``(H_out, W_out)`` for an ``h × w`` input, before :attr:`padding` (after
+        :meth:`pad_same`)."""
         left, right, top, bottom = self.padding
         (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.stride, self.dilation
         h_out = (h + top + bottom - dh * (kh - 1) - 1) // sh + 1

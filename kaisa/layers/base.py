@@ -296,6 +296,37 @@ def sample_leading_rows(t: torch.Tensor, keep: float, generator: torch.Generator
     return rows if chosen is None else rows.index_select(0, chosen)
 
 
+def probe_refusal(
+    module: nn.Module,
+    probe: torch.Tensor,
+    expected: Callable[[torch.Tensor], torch.Tensor],
+    what: str,
+    noun: str = "input",
+) -> str | None:
+    """Why a module known by its class's name does not compute what that class should
+    (``None``: it does), from one call of its ``forward`` on ``probe``.
+
+    ``forward`` is called directly (no hooks), without gradients, and compared
+    with ``expected(probe)``, within ``1e-10`` of the largest expected entry in
+    float64, ``1e-5`` in float32, ``1e-2`` in half precision. The reason names
+    ``what`` it should be and the probe (``noun``: 'input', 'lookup').
+    """
+    try:
+        with torch.no_grad():
+            got = module.forward(probe)
+            want = expected(probe)
+    except Exception as err:  # any failure means: not what this class should be
+        return f"its forward failed on a probe {noun} ({type(err).__name__}: {err})"
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        return f"its forward returned {shape} on a probe {noun}, not {tuple(want.shape)}"
+    rtol = {torch.float64: 1e-10, torch.float32: 1e-5}.get(want.dtype, 1e-2)
+    diff = float((got.double() - want.double()).abs().max())
+    if diff > rtol * max(float(want.double().abs().max()), 1e-30):
+        return f"its forward is not {what} on a probe {noun} (off by {diff:.3g})"
+    return None
+
+
 def accumulator_dtype(rows: torch.Tensor) -> torch.dtype:
     """The dtype factor sums of ``rows`` accumulate in: at least float32."""
     return torch.promote_types(rows.dtype, torch.float32)

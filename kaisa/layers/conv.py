@@ -56,13 +56,22 @@ from abc import abstractmethod
 from typing import ClassVar, Literal, TypeVar, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kaisa.choices import CONV_ESTIMATORS
+from kaisa.engines.base import is_dtensor
 from kaisa.layers import _conv_patches as patches
 from kaisa.layers._conv_geometry import ConvGeometry
 from kaisa.layers._conv_shifted import ShiftedProducts, covers
-from kaisa.layers.base import LayerHandler, accumulator_dtype, draw_rows, gram, gram_with_ones
+from kaisa.layers.base import (
+    LayerHandler,
+    accumulator_dtype,
+    draw_rows,
+    gram,
+    gram_with_ones,
+    probe_refusal,
+)
 from kaisa.validation import one_of
 
 __all__ = [
@@ -81,6 +90,8 @@ __all__ = [
     "GroupedConv2dReduceHandler",
     "conv1d_handler",
     "conv2d_handler",
+    "same_conv2d_handler",
+    "same_conv2d_refusal",
 ]
 
 ConvEstimator = Literal["expand", "reduce"]
@@ -135,6 +146,8 @@ class _ConvHandler(LayerHandler):
         max_patch_bytes: int = DEFAULT_MAX_PATCH_BYTES,
         estimator: ConvEstimator | None = None,
         max_shift_bytes: int = DEFAULT_MAX_SHIFT_BYTES,
+        *,
+        same_padding: bool = False,
     ) -> _Handler:
         # Any case, as __init__'s check (one_of) accepts; a bad value is refused there.
         wants_reduce = isinstance(estimator, str) and estimator.lower() == "reduce"
@@ -154,6 +167,8 @@ class _ConvHandler(LayerHandler):
         max_patch_bytes: int = DEFAULT_MAX_PATCH_BYTES,
         estimator: ConvEstimator | None = None,
         max_shift_bytes: int = DEFAULT_MAX_SHIFT_BYTES,
+        *,
+        same_padding: bool = False,
     ) -> None:
         name = type(self).__name__
         if not isinstance(module, self._module_type):
@@ -169,7 +184,7 @@ class _ConvHandler(LayerHandler):
         ):
             raise ValueError(f"{name} is the {self.estimator!r} estimator; got {estimator!r}")
         super().__init__(module)
-        self.geometry = ConvGeometry.of(module)
+        self.geometry = ConvGeometry.of(module, same=same_padding)
         if module.groups > 1 and module.out_channels == module.groups:
             # One output a group (depthwise): G is diagonal, held as its diagonal.
             self.default_sides = (None, "diagonal")
@@ -192,8 +207,9 @@ class _ConvHandler(LayerHandler):
         """
 
     def _a_batched(self, x: torch.Tensor) -> torch.Tensor:
-        """The input as the ``A`` side's sums take it: :meth:`_batched` (see :class:`_Grouped`)."""
-        return self._batched(x)
+        """The input as the ``A`` side's sums take it: :meth:`_batched`, padded first where
+        the layer pads each input (``same_padding``; see :class:`_Grouped` too)."""
+        return self.geometry.pad_same(self._batched(x))
 
     def sample_rows(
         self, which: str, t: torch.Tensor, keep: float, generator: torch.Generator
@@ -214,6 +230,9 @@ class _ConvHandler(LayerHandler):
         g = self.geometry
         sizes = []
         for dim in (0, 1):
+            if g.same:  # ⌈1 / s⌉ = 1 output position along every axis
+                sizes.append(1)
+                continue
             reach = g.dilation[dim] * (g.kernel[dim] - 1) + g.stride[dim] + 1
             # F.pad's non-zero modes need more input than padding.
             least = 1 if g.pad_mode == "constant" else max(g.padding[2 - 2 * dim :][:2]) + 1
@@ -466,7 +485,7 @@ class _Grouped(_ConvHandler):
     _grouped = True
 
     def _a_batched(self, x: torch.Tensor) -> torch.Tensor:
-        x = self._batched(x)
+        x = super()._a_batched(x)
         n, c, h, w = x.shape
         groups = self.module.groups
         return x if groups == 1 else x.reshape(n * groups, c // groups, h, w)
@@ -540,3 +559,62 @@ def conv1d_handler(
     if module.groups > 1:
         return GroupedConv1dHandler(module, estimator=conv_estimator)
     return Conv1dHandler(module, estimator=conv_estimator)
+
+
+def same_conv2d_refusal(module: nn.Module) -> str | None:
+    """Why ``module`` is not taken for a 2-D convolution padded as TensorFlow's ``'SAME'``
+    for each input (``None``: it is).
+
+    It must be an ``nn.Conv2d`` without padding of its own whose ``forward``,
+    called directly (no hooks, no gradients) on a probe input whose ``'SAME'``
+    padding is uneven, gives ``F.conv2d`` of that input padded as
+    :meth:`ConvGeometry.same_padding` says. A weight on the meta device or
+    sharded is taken on its class's name.
+    """
+    if not isinstance(module, nn.Conv2d):
+        return f"{type(module).__name__} is not an nn.Conv2d"
+    try:
+        geometry = ConvGeometry.of(module, same=True)
+    except ValueError as err:
+        return str(err)
+    weight = module.weight
+    if weight.is_meta or is_dtensor(weight):
+        return None
+    # Along each axis s·(k−1)·d + 2 inputs: ⌈n/s⌉ > 1 outputs, and padding on both sides.
+    sizes = [
+        s * (k - 1) * d + 2
+        for k, s, d in zip(geometry.kernel, geometry.stride, geometry.dilation, strict=True)
+    ]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(1, module.in_channels, *sizes, generator=gen, dtype=torch.float64)
+    x = x.to(device=weight.device, dtype=weight.dtype)
+    return probe_refusal(
+        module,
+        x,
+        lambda t: F.conv2d(
+            geometry.pad_same(t),
+            weight,
+            module.bias,
+            module.stride,
+            0,
+            module.dilation,
+            module.groups,
+        ),
+        "the convolution of its input padded as TensorFlow's 'SAME'",
+    )
+
+
+def same_conv2d_handler(
+    module: nn.Module, conv_estimator: ConvEstimator = "expand", **_: object
+) -> Conv2dHandler | None:
+    """Handler factory for a convolution that pads each input as TensorFlow's ``'SAME'``
+    (timm's ``Conv2dSame``, in its ``tf_*`` models: the padding depends on the input's
+    size, uneven where it is odd). As :func:`conv2d_handler`, with ``same_padding``;
+    ``None`` (left raw, with :func:`same_conv2d_refusal`'s reason) when the module does
+    not compute that convolution.
+    """
+    if same_conv2d_refusal(module) is not None:
+        return None
+    assert isinstance(module, nn.Conv2d)
+    cls = GroupedConv2dHandler if module.groups > 1 else Conv2dHandler
+    return cls(module, estimator=conv_estimator, same_padding=True)

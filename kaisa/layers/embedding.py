@@ -43,6 +43,7 @@ from kaisa.layers.base import (
     gram,
     last_dim_gram,
     last_dim_moments,
+    probe_refusal,
     row_moments,
     sample_leading_rows,
 )
@@ -206,11 +207,6 @@ def _embed_scale(module: nn.Module) -> float | str:
     return f"it has no numeric embed_scale (found {type(value).__name__})"
 
 
-#: How closely a probe lookup must match ``scale · W[i]`` by the table's dtype.
-_LOOKUP_RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
-_LOOKUP_RTOL_HALF = 1e-2
-
-
 def _lookup_mismatch(module: nn.Embedding, scale: float) -> str | None:
     """Why ``module.forward`` is not ``scale · W[i]`` on a probe lookup (``None``: it is).
 
@@ -222,23 +218,13 @@ def _lookup_mismatch(module: nn.Embedding, scale: float) -> str | None:
     if weight.is_meta or is_dtensor(weight):
         return None
     idx = torch.arange(min(module.num_embeddings, 4), device=weight.device).reshape(1, -1)
-    try:
-        with torch.no_grad():
-            got = module.forward(idx)
-            want = F.embedding(idx, weight, module.padding_idx) * scale
-    except Exception as err:  # any failure means: not the lookup this class should be
-        return f"its forward failed on a probe lookup ({type(err).__name__}: {err})"
-    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-        return f"its forward returned {shape} on a probe lookup, not {tuple(want.shape)}"
-    rtol = _LOOKUP_RTOL.get(weight.dtype, _LOOKUP_RTOL_HALF)
-    diff = float((got.double() - want.double()).abs().max())
-    if diff > rtol * max(float(want.double().abs().max()), 1e-30):
-        return (
-            f"its forward is not the table's rows times embed_scale={scale:g} on a probe lookup "
-            f"(off by {diff:.3g})"
-        )
-    return None
+    return probe_refusal(
+        module,
+        idx,
+        lambda i: F.embedding(i, weight, module.padding_idx) * scale,
+        f"the table's rows times embed_scale={scale:g}",
+        "lookup",
+    )
 
 
 def scaled_embedding_refusal(module: nn.Module) -> str | None:

@@ -3,12 +3,12 @@
 **Registration.** :func:`register_handler` maps a module type to a handler
 factory; a module uses the factory of the nearest registered class in its
 MRO. Classes of libraries kaisa does not import (HuggingFace's ``Conv1D``,
-Falcon's ``FalconLinear``, timm's ``Linear``) are known by module and class name
-(:data:`_BY_NAME`), and HuggingFace's ``*ScaledWordEmbedding`` classes
+Falcon's ``FalconLinear``, timm's ``Linear`` and ``Conv2dSame``) are known by
+module and class name (:data:`_BY_NAME`), and HuggingFace's ``*ScaledWordEmbedding`` classes
 (Gemma's, BART's, …: a lookup times ``embed_scale``) by a name pattern
-(:data:`_BY_PATTERN`), each of those taken only after a probe lookup shows
-that it computes that product. Matching a model's classes by name imports
-nothing, so ``import kaisa`` never imports transformers. A factory
+(:data:`_BY_PATTERN`), each of those (and ``Conv2dSame``) taken only after a
+probe shows that it computes that product (that convolution). Matching a
+model's classes by name imports nothing, so ``import kaisa`` never imports transformers. A factory
 registered by the user is checked once against autograd on a probe
 (:mod:`kaisa.layers.probe`): at registration when an ``example`` module is
 given, else on the first module of the type kaisa meets; a handler that
@@ -35,7 +35,12 @@ from torch import nn
 
 from kaisa.layers.attention import attention_handlers
 from kaisa.layers.base import LayerHandler
-from kaisa.layers.conv import conv1d_handler, conv2d_handler
+from kaisa.layers.conv import (
+    conv1d_handler,
+    conv2d_handler,
+    same_conv2d_handler,
+    same_conv2d_refusal,
+)
 from kaisa.layers.embedding import (
     embedding_handler,
     scaled_embedding_handler,
@@ -75,6 +80,10 @@ _BY_NAME: dict[tuple[str, str], HandlerFactory] = {
     # its home before timm 0.9 was timm.models.layers.linear.
     ("timm.layers.linear", "Linear"): _linear_by_name,
     ("timm.models.layers.linear", "Linear"): _linear_by_name,
+    # timm's Conv2dSame (its tf_* models' strided convolutions) pads each input as
+    # TensorFlow's 'SAME' in forward; taken after a probe input shows it does.
+    ("timm.layers.conv2d_same", "Conv2dSame"): same_conv2d_handler,
+    ("timm.models.layers.conv2d_same", "Conv2dSame"): same_conv2d_handler,
 }
 
 #: Factories of classes matched by ``(module prefix, class-name suffix)``, for
@@ -89,6 +98,7 @@ _BY_PATTERN: tuple[tuple[str, str, HandlerFactory], ...] = (
 #: the warning that names the module left raw.
 _REFUSALS: dict[HandlerFactory, Callable[[nn.Module], str | None]] = {
     scaled_embedding_handler: scaled_embedding_refusal,
+    same_conv2d_handler: same_conv2d_refusal,
 }
 
 #: Registered types whose factory has not been checked on a probe yet: the

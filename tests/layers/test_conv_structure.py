@@ -101,9 +101,11 @@ def test_the_geometry_is_read_once_per_layer(
     reads: list[nn.Module] = []
     original = ConvGeometry.of.__func__  # type: ignore[attr-defined]
 
-    def counted(cls: type[ConvGeometry], module: nn.Conv1d | nn.Conv2d) -> ConvGeometry:
+    def counted(
+        cls: type[ConvGeometry], module: nn.Conv1d | nn.Conv2d, **options: bool
+    ) -> ConvGeometry:
         reads.append(module)
-        return original(cls, module)  # type: ignore[no-any-return]
+        return original(cls, module, **options)  # type: ignore[no-any-return]
 
     monkeypatch.setattr(ConvGeometry, "of", classmethod(counted))
     module = nn.Conv2d(c_in, 3, 3, padding=1).double()
