@@ -91,6 +91,8 @@ def published() -> Iterator[tuple[str, Callable[[], nn.Module]]]:
             )
         ),
     )
+    # OPTConfig's defaults are opt-125m's shape; learned positions from the mask.
+    yield "opt-125m", lambda: hf.OPTForCausalLM(hf.OPTConfig())
     yield (
         "vit-base-patch16-224",
         lambda: hf.ViTForImageClassification(hf.ViTConfig(num_labels=1000)),

@@ -38,7 +38,11 @@ Q/K/V/O projections without biases, an untied head; 659,328 parameters
 against the ``gpt`` model's 668,800; ``model`` ``'hf-llama'``), and
 ``--hf-gemma`` with ``GemmaForCausalLM`` (d 128, 3 layers, 4 heads of 32,
 GeGLU MLP 344 wide, RMSNorm, rotary positions, its token embedding scaled
-by ``√d`` and tied to the head; 626,560 parameters; ``model`` ``'hf-gemma'``).
+by ``√d`` and tied to the head; 626,560 parameters; ``model`` ``'hf-gemma'``),
+and ``--hf-opt`` with ``OPTForCausalLM`` (d 128, 3 layers, 4 heads, ReLU MLP
+512 wide, pre-LayerNorm, learned positions looked up by their own
+``forward`` from the attention mask, its head tied to the token embedding;
+``model`` ``'hf-opt'``).
 
 ``--behind muon`` (the kaisa arms only) puts kaisa in front of the Muon
 arm's optimizer instead of the arm's own: ``torch.optim.Muon`` on the hidden
@@ -203,6 +207,24 @@ def hf_gemma(
     )  # fmt: skip
 
 
+def hf_opt(
+    name: str, image_shape: tuple[int, int, int] | None = None, *, context: int | None = None
+) -> torch.nn.Module:
+    """transformers' OPT LM of about the demo ``gpt``'s size in place of the demo's GPT.
+
+    Its learned positions are an ``OPTLearnedPositionalEmbedding``, whose
+    ``forward`` derives the positions from the attention mask (offset by 2),
+    and its head is tied to the token embedding, as OPT's is.
+    """
+    return _hf_lm(
+        "--hf-opt", name, context, "OPTForCausalLM", "OPTConfig",
+        hidden_size=128, word_embed_proj_dim=128, ffn_dim=512,
+        num_hidden_layers=3, num_attention_heads=4,
+        dropout=0.0, attention_dropout=0.0, layerdrop=0.0, tie_word_embeddings=True,
+        pad_token_id=1, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+
+
 #: ``kaisa demo`` options that ``--demo-args`` may not give: the probe sets them
 #: (workload, arm, rate, threads, data, output, one process) or loops over them (seeds).
 PROBE_SETS = frozenset(
@@ -219,6 +241,7 @@ MODELS: dict[str, tuple[Any, tuple[str, Any]]] = {
     "--hf-gpt2": (hf_gpt2, ("model", "hf-gpt2")),
     "--hf-llama": (hf_llama, ("model", "hf-llama")),
     "--hf-gemma": (hf_gemma, ("model", "hf-gemma")),
+    "--hf-opt": (hf_opt, ("model", "hf-opt")),
 }
 
 
@@ -269,6 +292,9 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
     )
     p.add_argument(
         "--hf-gemma", action="store_true", help="gpt only: HuggingFace's Gemma of about its size"
+    )
+    p.add_argument(
+        "--hf-opt", action="store_true", help="gpt only: HuggingFace's OPT of about its size"
     )
     p.add_argument(
         "--demo-args",

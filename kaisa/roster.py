@@ -433,11 +433,14 @@ class Roster:
                         "once per layer)"
                     )
             elif once(f"outside {layer.name}"):
+                why = layer.handler.uncaptured_reason or (
+                    "its weight was used outside the module call kaisa hooks (e.g. "
+                    "F.linear(x, layer.weight))"
+                )
                 warn(
                     f"kaisa: layer {layer.name!r} captured nothing on factor-update step "
                     f"{step} in training mode, yet its parameters have a gradient: "
-                    "its weight was used outside the module call kaisa hooks (e.g. "
-                    "F.linear(x, layer.weight)); its gradient is left raw until it captures "
+                    f"{why}; its gradient is left raw until it captures "
                     "(its factors are kept; reported once)"
                 )
         return refresh

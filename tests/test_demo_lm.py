@@ -540,7 +540,10 @@ def test_steps_probe_swaps_in_the_tied_and_the_huggingface_models_for_its_run_on
         gemma = probe.hf_gemma("gpt", context=16)
         assert gemma(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 256)
         assert gemma.lm.lm_head.weight is gemma.lm.model.embed_tokens.weight
-        runs += [["--hf-gpt2"], ["--hf-llama"], ["--hf-gemma"]]
+        opt = probe.hf_opt("gpt", context=16)
+        assert opt(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 256)
+        assert opt.lm.lm_head.weight is opt.lm.model.decoder.embed_tokens.weight
+        runs += [["--hf-gpt2"], ["--hf-llama"], ["--hf-gemma"], ["--hf-opt"]]
     for flags in runs:
         code = probe.main(["--workload", "gpt", "--arm", "kaisa-adamw", "--seeds", "0",
                            "--max-steps", "3", "--text-dir", str(corpus_dir), "--out", str(out),
@@ -554,6 +557,7 @@ def test_steps_probe_swaps_in_the_tied_and_the_huggingface_models_for_its_run_on
         assert rows[1]["model"] == "hf-gpt2" and "tied_head" not in rows[1]
         assert rows[2]["model"] == "hf-llama" and "tied_head" not in rows[2]
         assert rows[3]["model"] == "hf-gemma" and "tied_head" not in rows[3]
+        assert rows[4]["model"] == "hf-opt" and "tied_head" not in rows[4]
     for r in rows:
         assert r["stopped_at"] == 3 and math.isfinite(r["last"])
     for bad in (["--workload", "vit", "--arm", "adamw", "--tied-head"],
@@ -562,7 +566,7 @@ def test_steps_probe_swaps_in_the_tied_and_the_huggingface_models_for_its_run_on
                 ["--workload", "gpt", "--arm", "adamw", "--hf-gpt2", "--hf-llama"]):  # fmt: skip
         with pytest.raises(SystemExit):
             probe.main([*bad, "--out", str(out)])
-    for build in (probe.tied_gpt, probe.hf_gpt2, probe.hf_llama, probe.hf_gemma):
+    for build in (probe.tied_gpt, probe.hf_gpt2, probe.hf_llama, probe.hf_gemma, probe.hf_opt):
         with pytest.raises(ValueError, match="gpt workload"):
             build("vit", context=16)
 

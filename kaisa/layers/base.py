@@ -84,6 +84,10 @@ class LayerHandler(ABC):
     #: (DeepSpeed ZeRO, FSDP2). A handler that overrides :meth:`grad_matrix` or
     #: :meth:`set_grad_matrix` reads and writes through it too.
     grads: GradAccess = PLAIN
+    #: Why the module's last forward call captured nothing, where the handler can
+    #: tell (a lookup whose indices it could not read); ``None`` otherwise. The
+    #: warning about a layer that captured nothing yet has a gradient says it.
+    uncaptured_reason: str | None = None
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module

@@ -25,12 +25,27 @@ tied to it); the registry knows these classes by name
 (:func:`kaisa.layers.registry.handler_for`) and
 :func:`scaled_embedding_handler` takes one only after checking, on a probe
 lookup, that its ``forward`` is that product.
+
+**Lookups of computed indices.** A learned position embedding (OPT's,
+BART's, mBART's, BioGPT's, …) is an ``nn.Embedding`` subclass whose
+``forward`` takes the token ids or the attention mask and looks up the
+positions it derives from them, so the call's input is not what indexes the
+table. :class:`ComputedIndexEmbeddingHandler` (what the registry gives an
+``nn.Embedding`` subclass that overrides ``forward``) reads the indices from
+the lookup itself, the output's autograd node (:func:`lookup_indices`): the
+factors, and so the steps, of a plain ``nn.Embedding`` called on those
+indices. A subclass whose output is anything but that lookup (or that lookup
+broadcast over the batch) is left raw: at construction when a probe call
+shows it (:func:`computed_index_refusal`: a normalised or scaled lookup,
+the table indexed directly), else when it runs, capturing nothing, with the
+reason in the warning about a layer that captured nothing.
 """
 
 from __future__ import annotations
 
 import math
 from numbers import Real
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +53,8 @@ from torch import nn
 
 from kaisa.engines.base import is_dtensor
 from kaisa.layers.base import (
+    CaptureFn,
+    Detachable,
     LayerHandler,
     accumulator_dtype,
     gram,
@@ -124,6 +141,134 @@ class EmbeddingHandler(LayerHandler):
         rows = [i for i in range(self.a_size) if i != self.module.padding_idx]
         pick = rows[int(torch.randint(len(rows), (1,), generator=generator))]
         return (torch.tensor([pick], device=self.weight.device),)
+
+
+def lookup_indices(output: torch.Tensor, module: nn.Embedding) -> torch.Tensor | None:
+    """The indices whose rows of ``module``'s table make ``output``, read off its autograd
+    node; ``None`` when ``output`` is not such a lookup.
+
+    ``output`` must be what ``F.embedding(indices, module.weight, module.padding_idx)``
+    returned (an ``EmbeddingBackward0`` node whose weight is the table, dense, with the
+    module's padding row and gradient scaling), or that broadcast by ``expand``
+    (one lookup serving every sample: the indices are broadcast alike). Under
+    FSDP2 the table the lookup read is the whole one swapped in for the call,
+    no longer the module's (a shard) when its hooks run; it is taken by its shape.
+    """
+    node = output.grad_fn
+    expanded = node is not None and type(node).__name__ == "ExpandBackward0"
+    if expanded:
+        assert node is not None
+        node = node.next_functions[0][0]
+    if node is None or type(node).__name__ != "EmbeddingBackward0":
+        return None
+    variable = getattr(node.next_functions[0][0], "variable", None)
+    weight = module.weight
+    if variable is not weight and not (
+        # FSDP2 reshards a module after its forward, before this hook: the lookup
+        # read the whole table it had swapped in, the module now holds its shard.
+        is_dtensor(weight)
+        and isinstance(variable, torch.Tensor)
+        and tuple(variable.shape) == (module.num_embeddings, module.embedding_dim)
+    ):
+        return None
+    saved: Any = node  # what the lookup saved for its backward: ``_saved_<argument>``
+    padding = int(saved._saved_padding_idx)  # -1 (or its unsigned value): none
+    padding_idx = padding if 0 <= padding < module.num_embeddings else None
+    if (
+        padding_idx != module.padding_idx
+        or bool(saved._saved_sparse)
+        or bool(saved._saved_scale_grad_by_freq) != module.scale_grad_by_freq
+    ):
+        return None
+    indices: torch.Tensor = saved._saved_indices
+    if not expanded:
+        return indices
+    try:
+        return indices.expand(output.shape[:-1])
+    except RuntimeError:  # broadcast along the last dimension too: not one row per index
+        return None
+
+
+class ComputedIndexEmbeddingHandler(EmbeddingHandler):
+    """An ``nn.Embedding`` subclass whose ``forward`` computes the indices it looks up.
+
+    HuggingFace's learned position embeddings (OPT's, BART's, mBART's, BioGPT's, …)
+    take the token ids or the attention mask and look up positions they derive
+    from it (offset by 2), so the call's input is not what the table is indexed
+    by. kaisa reads the indices from the lookup itself: the output's autograd
+    node (:func:`lookup_indices`), on the factor-update steps' forward calls, then
+    proceeds as for ``nn.Embedding``. A call whose output is not a lookup of
+    its table (scaled, summed, sliced after the lookup: most such classes are
+    refused at construction, :func:`computed_index_refusal`) captures nothing:
+    the gradient stays raw, and the warning about it says why.
+    """
+
+    kind = "kronecker (embedding, indices read from its lookup, diagonal A)"
+
+    def attach(self, capture: CaptureFn) -> Detachable:
+        own = self.module
+
+        def hook(module: nn.Module, args: tuple[object, ...], output: object) -> None:
+            if module is not own or not isinstance(output, torch.Tensor):
+                return
+            if not output.requires_grad:
+                return  # no gradient reaches this call: nothing to capture
+            indices = lookup_indices(output, own)
+            if indices is None:
+                self.uncaptured_reason = (
+                    f"{type(own).__name__}.forward() returned something other than a lookup "
+                    "of its table (transformed after the lookup), so kaisa could not read "
+                    "the indices it used"
+                )
+                return
+            self.uncaptured_reason = None
+            capture(indices, output, None)
+
+        return own.register_forward_hook(hook)
+
+
+def computed_index_refusal(module: nn.Module) -> str | None:
+    """Why an ``nn.Embedding`` subclass that overrides ``forward`` is not taken for a
+    lookup of computed indices (``None``: it is, or a probe cannot tell).
+
+    ``forward`` is called directly (no hooks, gradients on, nothing sent back)
+    on a probe batch, the indices ``0 … 3`` as one row of token ids (or of an
+    attention mask): an output that is not a lookup of the table
+    (:func:`lookup_indices`; normalised or scaled after the lookup, or the
+    table indexed directly) refuses it. A ``forward`` that does not take such
+    an input, or a table on the meta device, sharded or frozen, is decided
+    by its lookups as it runs.
+    """
+    if not isinstance(module, nn.Embedding):
+        return f"{type(module).__name__} is not an nn.Embedding"
+    if module.sparse:
+        return "sparse embedding (sparse=True): sparse gradients are not preconditioned"
+    weight = module.weight
+    if weight.is_meta or is_dtensor(weight) or not weight.requires_grad:
+        return None
+    probe = torch.arange(min(module.num_embeddings, 4), device=weight.device).reshape(1, -1)
+    try:
+        with torch.enable_grad():
+            out = module.forward(probe)
+    except Exception:  # another signature: decided by the lookups it makes as it runs
+        return None
+    if isinstance(out, torch.Tensor) and lookup_indices(out, module) is not None:
+        return None
+    return (
+        f"{type(module).__name__}.forward() returned something other than a lookup of its "
+        "table on a probe input (transformed after the lookup, or the table indexed directly), "
+        "so kaisa cannot read the indices it uses"
+    )
+
+
+def computed_index_embedding_handler(module: nn.Module, **_: object) -> LayerHandler | None:
+    """The handler of an ``nn.Embedding`` subclass that overrides ``forward`` (see
+    :class:`ComputedIndexEmbeddingHandler`); ``None`` (left raw, with
+    :func:`computed_index_refusal`'s reason) when a probe shows it is no such lookup."""
+    if computed_index_refusal(module) is not None:
+        return None
+    assert isinstance(module, nn.Embedding)
+    return ComputedIndexEmbeddingHandler(module)
 
 
 def embedding_handler(module: nn.Module, **_: object) -> LayerHandler | None:

@@ -17,10 +17,14 @@ breaks the contract is refused with
 
 **Subclasses that compute something else.** A subclass of a registered class
 that overrides ``forward`` (or a convolution's ``_conv_forward``) may no
-longer compute its parent's function of its input (a learned positional
-embedding that computes the positions itself, a convolution that
+longer compute its parent's function of its input (a convolution that
 standardises its weight first): it is left raw, with a warning naming it and
-the reason, unless a handler is registered for the subclass itself.
+the reason, unless a handler is registered for the subclass itself. The
+exception is ``nn.Embedding``'s subclasses (learned position embeddings that
+compute their positions): each lookup they make is read from its autograd
+node as it runs (:class:`~kaisa.layers.embedding.ComputedIndexEmbeddingHandler`);
+one whose output a probe shows is no lookup of its table is left raw with
+the reason, and one that turns out so while training captures nothing (warned).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from kaisa.layers.conv import (
     same_conv2d_refusal,
 )
 from kaisa.layers.embedding import (
+    computed_index_embedding_handler,
+    computed_index_refusal,
     embedding_handler,
     scaled_embedding_handler,
     scaled_embedding_refusal,
@@ -99,6 +105,7 @@ _BY_PATTERN: tuple[tuple[str, str, HandlerFactory], ...] = (
 _REFUSALS: dict[HandlerFactory, Callable[[nn.Module], str | None]] = {
     scaled_embedding_handler: scaled_embedding_refusal,
     same_conv2d_handler: same_conv2d_refusal,
+    computed_index_embedding_handler: computed_index_refusal,
 }
 
 #: Registered types whose factory has not been checked on a probe yet: the
@@ -171,6 +178,10 @@ def _registered(module: nn.Module) -> tuple[type[nn.Module] | None, HandlerFacto
             or _by_pattern(cls)
         )
         if factory is not None:
+            if factory is embedding_handler and _own_forward_reason(module, cls) is not None:
+                # An nn.Embedding subclass with a forward of its own (a learned position
+                # embedding computing its positions): its lookups are read as they run.
+                return type(module), computed_index_embedding_handler
             return cls, factory
     return None, None
 

@@ -3,14 +3,16 @@
 Two gloo processes on CPU, each with its own batches, the same initial
 weights and the same batches under DDP and under FSDP2 (every layer and the
 root sharded on dim 0, with uneven shards: 7 and 3 rows over 2 ranks).
-Three models: a Conv2d with two Linear layers; an Embedding, an
+Four models: a Conv2d with two Linear layers; an Embedding, an
 ``nn.MultiheadAttention`` (three blocks writing rows of one packed weight
 shard) and two Linear layers; and the same with Gemma's scaled token
 embedding (HuggingFace's ``GemmaTextScaledWordEmbedding``, a lookup times
 its ``embed_scale`` buffer, taken on its class's name when its table is a
-DTensor); exact curvature, absolute damping, KL
-clipping that binds; COMM-OPT and MEM-OPT (the preconditioned gradients are
-broadcast as full matrices). Checked after ``STEPS`` steps, to ``TOL32``:
+DTensor); and with BART's learned positions added (their indices read from
+each lookup's autograd node, on the parameters FSDP2 swaps in); exact
+curvature, absolute damping, KL clipping that binds; COMM-OPT and MEM-OPT
+(the preconditioned gradients are broadcast as full matrices). Checked after
+``STEPS`` steps, to ``TOL32``:
 
 * the weights equal DDP's (gathered with ``full_tensor()``), every rank the same;
 * the factors equal DDP's: the hooks capture the same rows although FSDP2
@@ -68,8 +70,15 @@ def _model(kind: str) -> torch.nn.Module:
             return self.head(torch.tanh(self.fc(h)))
 
     class AttnNet(nn.Module):
-        def __init__(self, scaled: bool = False) -> None:
+        def __init__(self, scaled: bool = False, positions: bool = False) -> None:
             super().__init__()
+            self.positions: nn.Embedding | None = None
+            if positions:
+                from transformers.models.bart.modeling_bart import (
+                    BartLearnedPositionalEmbedding,
+                )
+
+                self.positions = BartLearnedPositionalEmbedding(5, 8)
             if scaled:
                 from transformers.models.gemma.modeling_gemma import (
                     GemmaTextScaledWordEmbedding,
@@ -84,11 +93,15 @@ def _model(kind: str) -> torch.nn.Module:
 
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
             h = self.embed(ids)
+            if self.positions is not None:
+                h = h + self.positions(ids)
             h = h + self.attn(h, h, h, need_weights=False)[0]
             return self.head(torch.tanh(self.fc(h)).mean(dim=1))
 
     torch.manual_seed(0)
-    return ConvNet() if kind == "conv" else AttnNet(scaled=kind == "scaled")
+    if kind == "conv":
+        return ConvNet()
+    return AttnNet(scaled=kind == "scaled", positions=kind == "positions")
 
 
 def _batch(kind: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,9 +224,10 @@ def _fsdp_case(rank: int, world_size: int) -> dict[str, Any]:
     return results
 
 
-#: The models: conv, attention, and attention with Gemma's scaled embedding
+#: The models: conv, attention, attention with Gemma's scaled embedding, and
+#: attention with BART's learned positions (indices read from each lookup)
 #: (transformers is a test dependency: the ``transformers`` extra, as ``make test``).
-KINDS = ("conv", "attn", "scaled")
+KINDS = ("conv", "attn", "scaled", "positions")
 #: The scaled embedding's ``embed_scale``: its ``G`` is ``SCALE²`` times the
 #: plain lookup's, and so is the float32 rounding of its sums.
 SCALE = 2.5
@@ -235,10 +249,13 @@ def test_fsdp2_equals_ddp(runs: list[dict[str, Any]], kind: str, fraction: str) 
     for run in runs:
         want = run[f"{kind}-{fraction}-ddp"]
         got = run[f"{kind}-{fraction}-fsdp2"]
-        assert got["layers"] == want["layers"] == (3 if kind == "conv" else 7)
+        layers = {"conv": 3, "positions": 8}.get(kind, 7)
+        assert got["layers"] == want["layers"] == layers
         assert got["handlers"] == want["handlers"]
         if kind == "scaled":
             assert got["handlers"][0] == "ScaledEmbeddingHandler"
+        if kind == "positions":
+            assert "ComputedIndexEmbeddingHandler" in got["handlers"]
         assert _distance(got["weights"], want["weights"]) <= TOL32
         factor_tol = TOL32 * (SCALE**2 if kind == "scaled" else 1.0)
         assert _distance(got["factors"], want["factors"]) <= factor_tol

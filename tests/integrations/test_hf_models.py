@@ -1,8 +1,9 @@
 """HuggingFace models built tiny from their configurations, trained with kaisa's defaults.
 
 GPT-2, BERT, Llama (tied and untied), Gemma (its scaled token embedding
-tied to the head), Falcon (its own ``FalconLinear``), T5, BART, ConvNeXt (depthwise
-convolutions) and ViT: each is listed by
+tied to the head), Falcon (its own ``FalconLinear``), T5, BART and OPT (learned
+positions looked up by ``forward`` itself), ConvNeXt (depthwise convolutions) and
+ViT: each is listed by
 ``coverage()``, trains a few steps with finite losses and weights, and has
 at least 99% of the elements of its trainable parameters of two or more
 dimensions preconditioned, not counting those a construction warning names
@@ -168,7 +169,22 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any], set
             )
         ),
         _tokens,
-        {"model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight"},
+        set(),  # its learned positions too (read from their lookups)
+    ),
+    "opt": (
+        lambda: hf.OPTForCausalLM(
+            hf.OPTConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                ffn_dim=64,
+                max_position_embeddings=32,
+                word_embed_proj_dim=32,
+            )
+        ),
+        _tokens,
+        set(),
     ),
     "convnext": (
         # Depthwise 7 × 7 convolutions (groups = channels) in every block.
