@@ -580,7 +580,8 @@ def same_conv2d_refusal(module: nn.Module) -> str | None:
     weight = module.weight
     if weight.is_meta or is_dtensor(weight):
         return None
-    # Along each axis s·(k−1)·d + 2 inputs: ⌈n/s⌉ > 1 outputs, and padding on both sides.
+    # s·(k−1)·d + 2 inputs along each axis: several outputs, and padding (uneven
+    # for a stride of 2) wherever the kernel reaches past the stride.
     sizes = [
         s * (k - 1) * d + 2
         for k, s, d in zip(geometry.kernel, geometry.stride, geometry.dilation, strict=True)
