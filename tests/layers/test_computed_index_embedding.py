@@ -185,3 +185,55 @@ def test_the_indices_are_read_only_from_a_lookup_of_the_table_itself() -> None:
     assert lookup_indices(table(ids)[:, :2], table) is None
     with torch.no_grad():
         assert lookup_indices(table(ids), table) is None  # no autograd node
+
+
+class CheckpointedNet(nn.Module):
+    """BART's positions inside a block run under activation checkpointing (``mode``) or not."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mode = mode
+        self.tokens = nn.Embedding(VOCAB, DIM)
+        self.positions = BartLearnedPositionalEmbedding(POSITIONS, DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def block(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(h + self.positions(ids)))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(ids)
+        if self.mode == "plain":
+            return self.block(h, ids)
+        from torch.utils.checkpoint import checkpoint
+
+        out = checkpoint(self.block, h, ids, use_reentrant=self.mode == "reentrant")
+        assert isinstance(out, torch.Tensor)
+        return out
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
+def test_under_activation_checkpointing_it_takes_the_plain_runs_steps(mode: str) -> None:
+    """Reading the saved indices in the forward hook works whether the block's
+    activations are kept, recomputed in backward (reentrant), or packed by saved-tensor
+    hooks (non-reentrant)."""
+    weights = []
+    for kind in ("plain", mode):
+        net = CheckpointedNet(kind).double()
+        pre = kaisa.KFACPreconditioner(
+            net, curvature="exact", factor_update_steps=1, inv_update_steps=1, lr=0.1,
+            inv_dtype=torch.float64,
+        )  # fmt: skip
+        opt = torch.optim.SGD(net.parameters(), lr=0.3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for step in range(3):
+                ids, _, target = _batch(step)
+                opt.zero_grad()
+                F.cross_entropy(net(ids).reshape(-1, VOCAB), target.reshape(-1)).backward()
+                pre.step()
+                opt.step()
+        assert pre.layers[1].name == "positions" and pre.layers[1].block.updates == 3
+        weights.append([p.detach().clone() for p in net.parameters()])
+    for got, want in zip(weights[1], weights[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
