@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.bart.modeling_bart import BartLearnedPositionalEmbedding
 from transformers.models.opt.modeling_opt import OPTLearnedPositionalEmbedding
+from transformers.models.whisper.modeling_whisper import WhisperPositionalEmbedding
 
 import kaisa
 from kaisa.layers.embedding import ComputedIndexEmbeddingHandler, lookup_indices
@@ -144,7 +145,9 @@ def test_it_takes_the_steps_of_a_plain_table_given_the_positions(
         torch.testing.assert_close(param, ref.get_parameter(name), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("make", [Transformed, Indexed])
+@pytest.mark.parametrize(
+    "make", [Transformed, Indexed, WhisperPositionalEmbedding], ids=["scaled", "indexed", "whisper"]
+)
 def test_one_a_probe_shows_is_no_lookup_is_left_raw_with_the_reason(make: type) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(make(VOCAB, DIM), nn.Linear(DIM, VOCAB))
