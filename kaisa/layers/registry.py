@@ -3,12 +3,14 @@
 **Registration.** :func:`register_handler` maps a module type to a handler
 factory; a module uses the factory of the nearest registered class in its
 MRO. Classes of libraries kaisa does not import (HuggingFace's ``Conv1D``,
-Falcon's ``FalconLinear``, timm's ``Linear`` and ``Conv2dSame``) are known by
-module and class name (:data:`_BY_NAME`), and HuggingFace's ``*ScaledWordEmbedding`` classes
-(Gemma's, BART's, …: a lookup times ``embed_scale``) by a name pattern
-(:data:`_BY_PATTERN`), each of those (and ``Conv2dSame``) taken only after a
-probe shows that it computes that product (that convolution). Matching a
-model's classes by name imports nothing, so ``import kaisa`` never imports transformers. A factory
+Falcon's ``FalconLinear``, timm's ``Linear`` and ``Conv2dSame``, the
+attention of timm's EVA and BEiT, which applies its ``qkv`` layer itself)
+are known by module and class name (:data:`_BY_NAME`), and HuggingFace's
+``*ScaledWordEmbedding`` classes (Gemma's, BART's, …: a lookup times
+``embed_scale``) by a name pattern (:data:`_BY_PATTERN`), each of those (and
+``Conv2dSame``) taken only after a probe shows that it computes that product
+(that convolution). Matching a model's classes by name imports nothing, so
+``import kaisa`` never imports transformers. A factory
 registered by the user is checked once against autograd on a probe
 (:mod:`kaisa.layers.probe`): at registration when an ``example`` module is
 given, else on the first module of the type kaisa meets; a handler that
@@ -52,7 +54,7 @@ from kaisa.layers.embedding import (
     scaled_embedding_handler,
     scaled_embedding_refusal,
 )
-from kaisa.layers.linear import LinearHandler, transposed_linear_handler
+from kaisa.layers.linear import LinearHandler, hosted_qkv_handler, transposed_linear_handler
 from kaisa.layers.probe import HandlerContractError, check_factory
 from kaisa.warn import warn
 
@@ -90,6 +92,10 @@ _BY_NAME: dict[tuple[str, str], HandlerFactory] = {
     # TensorFlow's 'SAME' in forward; taken after a probe input shows it does.
     ("timm.layers.conv2d_same", "Conv2dSame"): same_conv2d_handler,
     ("timm.models.layers.conv2d_same", "Conv2dSame"): same_conv2d_handler,
+    # timm's EVA and BEiT attention apply their qkv Linear with F.linear themselves
+    # (a bias assembled from q_bias, a zero k_bias and v_bias): captured from the host.
+    ("timm.models.eva", "EvaAttention"): hosted_qkv_handler,
+    ("timm.models.beit", "Attention"): hosted_qkv_handler,
 }
 
 #: Factories of classes matched by ``(module prefix, class-name suffix)``, for
@@ -562,6 +568,9 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
             for param in claimed_module.parameters(recurse=False):
                 if id(param) not in covered:
                     raw.setdefault(id(param), f"not a projection of {class_name}")
+        for param in direct:  # the host of a layer it applies itself (its own biases)
+            if id(param) not in covered:
+                raw.setdefault(id(param), f"a free parameter of {class_name}, not a layer")
     param_names = {id(p): n for n, p in named_parameters(model)}
     ties = _tie(sharing, holders, param_names)
     tied = {name for tie in ties for name, _ in tie.uses}

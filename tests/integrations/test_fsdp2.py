@@ -3,13 +3,15 @@
 Two gloo processes on CPU, each with its own batches, the same initial
 weights and the same batches under DDP and under FSDP2 (every layer and the
 root sharded on dim 0, with uneven shards: 7 and 3 rows over 2 ranks).
-Four models: a Conv2d with two Linear layers; an Embedding, an
+Five models: a Conv2d with two Linear layers; an Embedding, an
 ``nn.MultiheadAttention`` (three blocks writing rows of one packed weight
 shard) and two Linear layers; and the same with Gemma's scaled token
 embedding (HuggingFace's ``GemmaTextScaledWordEmbedding``, a lookup times
 its ``embed_scale`` buffer, taken on its class's name when its table is a
 DTensor); and with BART's learned positions added (their indices read from
-each lookup's autograd node, on the parameters FSDP2 swaps in); exact
+each lookup's autograd node, on the parameters FSDP2 swaps in); and with
+timm's EVA attention in place of ``nn.MultiheadAttention`` (its ``qkv``
+layer applied with ``F.linear`` by the attention, sharded as one unit); exact
 curvature, absolute damping, KL clipping that binds; COMM-OPT and MEM-OPT
 (the preconditioned gradients are broadcast as full matrices). Checked after
 ``STEPS`` steps, to ``TOL32``:
@@ -69,8 +71,33 @@ def _model(kind: str) -> torch.nn.Module:
             h = torch.tanh(self.conv(x)).flatten(1)
             return self.head(torch.tanh(self.fc(h)))
 
+    class EvaAttention(nn.Module):
+        """timm's EVA attention: its qkv layer applied with F.linear, never called."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(8, 24, bias=False)
+            self.q_bias = nn.Parameter(torch.zeros(8))
+            self.v_bias = nn.Parameter(torch.zeros(8))
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            import torch.nn.functional as F
+
+            bias = torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
+            qkv = F.linear(x, weight=self.qkv.weight, bias=bias)
+            b, t, _ = x.shape
+            q, k, v = qkv.reshape(b, t, 3, 2, 4).permute(2, 0, 3, 1, 4)
+            out = F.scaled_dot_product_attention(q, k, v)
+            return self.proj(out.transpose(1, 2).reshape(b, t, 8))
+
+    EvaAttention.__module__ = "timm.models.eva"
+    EvaAttention.__qualname__ = "EvaAttention"
+
     class AttnNet(nn.Module):
-        def __init__(self, scaled: bool = False, positions: bool = False) -> None:
+        def __init__(
+            self, scaled: bool = False, positions: bool = False, hosted: bool = False
+        ) -> None:
             super().__init__()
             self.positions: nn.Embedding | None = None
             if positions:
@@ -87,7 +114,9 @@ def _model(kind: str) -> torch.nn.Module:
                 self.embed: nn.Embedding = GemmaTextScaledWordEmbedding(11, 8, 0, embed_scale=SCALE)
             else:
                 self.embed = nn.Embedding(11, 8)
-            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.attn: nn.Module = (
+                EvaAttention() if hosted else nn.MultiheadAttention(8, 2, batch_first=True)
+            )
             self.fc = nn.Linear(8, 7)
             self.head = nn.Linear(7, 3)
 
@@ -95,13 +124,16 @@ def _model(kind: str) -> torch.nn.Module:
             h = self.embed(ids)
             if self.positions is not None:
                 h = h + self.positions(ids)
-            h = h + self.attn(h, h, h, need_weights=False)[0]
+            if isinstance(self.attn, nn.MultiheadAttention):
+                h = h + self.attn(h, h, h, need_weights=False)[0]
+            else:
+                h = h + self.attn(h)
             return self.head(torch.tanh(self.fc(h)).mean(dim=1))
 
     torch.manual_seed(0)
     if kind == "conv":
         return ConvNet()
-    return AttnNet(scaled=kind == "scaled", positions=kind == "positions")
+    return AttnNet(scaled=kind == "scaled", positions=kind == "positions", hosted=kind == "hosted")
 
 
 def _batch(kind: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,7 +157,8 @@ def _shard(model: torch.nn.Module) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     for module in model.children():
-        if isinstance(module, (nn.Linear, nn.Conv2d, nn.Embedding, nn.MultiheadAttention)):
+        layer = isinstance(module, (nn.Linear, nn.Conv2d, nn.Embedding, nn.MultiheadAttention))
+        if layer or type(module).__name__ == "EvaAttention":  # the host: one unit with its layers
             fully_shard(module)
     fully_shard(model)
     return model
@@ -225,9 +258,10 @@ def _fsdp_case(rank: int, world_size: int) -> dict[str, Any]:
 
 
 #: The models: conv, attention, attention with Gemma's scaled embedding, and
-#: attention with BART's learned positions (indices read from each lookup)
+#: attention with BART's learned positions (indices read from each lookup), and
+#: timm's EVA attention (its qkv layer applied by the attention itself)
 #: (transformers is a test dependency: the ``transformers`` extra, as ``make test``).
-KINDS = ("conv", "attn", "scaled", "positions")
+KINDS = ("conv", "attn", "scaled", "positions", "hosted")
 #: The scaled embedding's ``embed_scale``: its ``G`` is ``SCALE²`` times the
 #: plain lookup's, and so is the float32 rounding of its sums.
 SCALE = 2.5
@@ -249,13 +283,15 @@ def test_fsdp2_equals_ddp(runs: list[dict[str, Any]], kind: str, fraction: str) 
     for run in runs:
         want = run[f"{kind}-{fraction}-ddp"]
         got = run[f"{kind}-{fraction}-fsdp2"]
-        layers = {"conv": 3, "positions": 8}.get(kind, 7)
+        layers = {"conv": 3, "positions": 8, "hosted": 5}.get(kind, 7)
         assert got["layers"] == want["layers"] == layers
         assert got["handlers"] == want["handlers"]
         if kind == "scaled":
             assert got["handlers"][0] == "ScaledEmbeddingHandler"
         if kind == "positions":
             assert "ComputedIndexEmbeddingHandler" in got["handlers"]
+        if kind == "hosted":
+            assert "HostedLinearHandler" in got["handlers"]
         assert _distance(got["weights"], want["weights"]) <= TOL32
         factor_tol = TOL32 * (SCALE**2 if kind == "scaled" else 1.0)
         assert _distance(got["factors"], want["factors"]) <= factor_tol
