@@ -548,6 +548,13 @@ def survey(model: nn.Module, skip_layers: Sequence[str] = (), **options: object)
                 skipped.setdefault(why.group, []).append((label, module, why))
                 continue
             block = f"{label}.{handler.suffix}" if handler.suffix else label
+            # A layer registered through its parent (EVA's 'attn.qkv'): matched by its name.
+            hosted = handler.module is not module
+            hit = next((p for p in patterns if hosted and p.search(block)), None)
+            if hit is not None:
+                for param in params:
+                    raw.setdefault(id(param), f"skip_layers matched {hit.pattern!r} (on {block!r})")
+                continue
             # An alias a parent keeps of its layer's parameter (BERT's, RoBERTa's
             # and ALBERT's MLM head hold the decoder's bias as their own `bias`):
             # one use, the layer's; the parent, visited first, left it raw as a

@@ -168,3 +168,11 @@ def test_beit_attention_is_known_by_name_too_and_a_split_projection_is_not_taken
     split = EvaAttention()
     del split.qkv  # EVA with separate q, k, v projections has no qkv layer
     assert registry.handler_for(split) is None
+
+
+def test_skip_layers_leaves_it_raw_by_its_block_name() -> None:
+    net = Net(EvaAttention("functional"))
+    pre = kaisa.KFACPreconditioner(net, lr=0.1, skip_layers=[r"attn\.qkv$"])
+    assert [layer.name for layer in pre.layers] == ["embed", "attn.proj", "head"]
+    raw = {t.parameter: t.reason for t in pre.coverage().raw()}
+    assert raw["attn.qkv.weight"] == "skip_layers matched 'attn\\\\.qkv$' (on 'attn.qkv')"
