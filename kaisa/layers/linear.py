@@ -169,7 +169,10 @@ class HostedLinearHandler(LinearHandler):
     ``F.linear`` call on the layer's weight (the layer's own ``forward``
     included, which calls ``F.linear``): one capture per use, however the
     host applies it. The mode is popped when the host's ``forward`` ends,
-    raising or not.
+    raising or not. It is entered on every training forward of the host,
+    factor-update step or not (the captures themselves run only when
+    due): one Python call per torch function the host's ``forward`` makes,
+    an attention's few dozen.
     """
 
     kind = "kronecker (linear, applied by its parent)"
