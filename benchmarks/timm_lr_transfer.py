@@ -44,6 +44,8 @@ MODELS: dict[str, dict[str, Any]] = {
     "vit_tiny_patch16_224": {"img_size": 32, "patch_size": 4},
     "efficientnet_b0": {},
     "tf_efficientnet_b0": {},  # its strided convolutions pad as TensorFlow's 'SAME'
+    # Its attention applies qkv with F.linear itself; rotary positions.
+    "eva02_tiny_patch14_224": {"img_size": 32, "patch_size": 4},
 }
 
 
