@@ -27,7 +27,9 @@ stop). Every workload works, the language model (``--workload gpt``, whose
 metric is the validation loss in nats per byte, lower is better) included;
 ``--tied-head`` builds it with its head tied to the token embedding
 (``kaisa.models.GPT(tied_head=True)``, 636,032 parameters) instead of the
-suite's untied one (the row's ``tied_head`` says so), and ``--hf-gpt2``
+suite's untied one (the row's ``tied_head`` says so), ``--zero-head`` with
+its untied head initialised to zero, as modded-nanogpt initialises its
+head (the row's ``zero_head`` says so), and ``--hf-gpt2``
 with HuggingFace transformers' ``GPT2LMHeadModel`` of the same shape (d 128,
 3 layers, 4 heads, context 64, the 256 bytes; no dropout; its head tied to
 ``wte`` as GPT-2's is; ``Conv1D`` projections and learned positions; the
@@ -131,6 +133,19 @@ def tied_gpt(
 
     context = _gpt_context("--tied-head", name, context)
     return build_model(name, vocab_size=VOCAB_SIZE, context=context, tied_head=True)
+
+
+def zero_head_gpt(
+    name: str, image_shape: tuple[int, int, int] | None = None, *, context: int | None = None
+) -> torch.nn.Module:
+    """The demo's byte-level GPT, its untied head initialised to zero (as modded-nanogpt's)."""
+    from kaisa.demo.text import VOCAB_SIZE
+    from kaisa.models import build_model
+
+    context = _gpt_context("--zero-head", name, context)
+    model = build_model(name, vocab_size=VOCAB_SIZE, context=context)
+    torch.nn.init.zeros_(model.head.weight)
+    return model
 
 
 class HFCausalLM(torch.nn.Module):
@@ -238,6 +253,7 @@ BEHIND = ("muon",)
 #: The models that replace the ``gpt`` workload's: flag, builder and the row's marker.
 MODELS: dict[str, tuple[Any, tuple[str, Any]]] = {
     "--tied-head": (tied_gpt, ("tied_head", True)),
+    "--zero-head": (zero_head_gpt, ("zero_head", True)),
     "--hf-gpt2": (hf_gpt2, ("model", "hf-gpt2")),
     "--hf-llama": (hf_llama, ("model", "hf-llama")),
     "--hf-gemma": (hf_gemma, ("model", "hf-gemma")),
@@ -283,6 +299,9 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
         choices=BEHIND,
         default=None,
         help="kaisa arms only: the optimizer kaisa runs in front of (default: the arm's own)",
+    )
+    p.add_argument(
+        "--zero-head", action="store_true", help="gpt only: its untied head initialised to zero"
     )
     p.add_argument(
         "--hf-gpt2", action="store_true", help="gpt only: HuggingFace's GPT-2 of the same shape"

@@ -519,7 +519,7 @@ def test_steps_probe_runs_any_arm_on_the_language_model(
 
 
 @pytest.mark.timeout(180)
-def test_steps_probe_swaps_in_the_tied_and_the_huggingface_models_for_its_run_only(
+def test_steps_probe_swaps_in_the_tied_zero_head_and_huggingface_models_for_its_run_only(
     corpus_dir: Path, tmp_path: Path
 ) -> None:
     from kaisa.demo import train as demo_train
@@ -527,9 +527,12 @@ def test_steps_probe_swaps_in_the_tied_and_the_huggingface_models_for_its_run_on
     probe = _probe()
     tied = probe.tied_gpt("gpt", context=16)
     assert tied.head.weight is tied.tok_embed.weight
+    zero = probe.zero_head_gpt("gpt", context=16)
+    assert zero.head.weight is not zero.tok_embed.weight
+    assert not zero.head.weight.any() and zero.tok_embed.weight.any()
     original = demo_train.build_demo_model, demo_train._make_preconditioner
     out = tmp_path / "probe.jsonl"
-    runs = [["--tied-head"]]
+    runs = [["--tied-head"], ["--zero-head"]]
     if importlib.util.find_spec("transformers") is not None:
         hf = probe.hf_gpt2("gpt", context=16)
         assert hf(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 256)
@@ -553,11 +556,12 @@ def test_steps_probe_swaps_in_the_tied_and_the_huggingface_models_for_its_run_on
         assert (demo_train.build_demo_model, demo_train._make_preconditioner) == original
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows[0]["tied_head"] is True and "model" not in rows[0]
-    if len(rows) > 1:
-        assert rows[1]["model"] == "hf-gpt2" and "tied_head" not in rows[1]
-        assert rows[2]["model"] == "hf-llama" and "tied_head" not in rows[2]
-        assert rows[3]["model"] == "hf-gemma" and "tied_head" not in rows[3]
-        assert rows[4]["model"] == "hf-opt" and "tied_head" not in rows[4]
+    assert rows[1]["zero_head"] is True and "tied_head" not in rows[1]
+    if len(rows) > 2:
+        assert rows[2]["model"] == "hf-gpt2" and "tied_head" not in rows[2]
+        assert rows[3]["model"] == "hf-llama" and "tied_head" not in rows[3]
+        assert rows[4]["model"] == "hf-gemma" and "tied_head" not in rows[4]
+        assert rows[5]["model"] == "hf-opt" and "tied_head" not in rows[5]
     for r in rows:
         assert r["stopped_at"] == 3 and math.isfinite(r["last"])
     for bad in (["--workload", "vit", "--arm", "adamw", "--tied-head"],
@@ -566,7 +570,9 @@ def test_steps_probe_swaps_in_the_tied_and_the_huggingface_models_for_its_run_on
                 ["--workload", "gpt", "--arm", "adamw", "--hf-gpt2", "--hf-llama"]):  # fmt: skip
         with pytest.raises(SystemExit):
             probe.main([*bad, "--out", str(out)])
-    for build in (probe.tied_gpt, probe.hf_gpt2, probe.hf_llama, probe.hf_gemma, probe.hf_opt):
+    builders = (probe.tied_gpt, probe.zero_head_gpt, probe.hf_gpt2, probe.hf_llama,
+                probe.hf_gemma, probe.hf_opt)  # fmt: skip
+    for build in builders:
         with pytest.raises(ValueError, match="gpt workload"):
             build("vit", context=16)
 
