@@ -20,7 +20,11 @@ training loss averaged over each 10 steps. Each run is one change:
   each side's spread at ``1/γ``;
 - ``--trace``: every 5 steps, the layers whose preconditioned gradient is
   least aligned with the raw one (cosine/norm ratio), and those it
-  scales most.
+  scales most;
+- ``--spectrum``: no training; the spectrum of the classifier's ``A``
+  factor (its input with the bias's 1 appended, second moment over the
+  first batch) at initialisation, in float64: the largest eigenvalue's
+  share of the trace, the largest and the median over the mean.
 
 Needs ``timm`` (and so ``torchvision``): see ``timm_coverage.py``::
 
@@ -66,6 +70,32 @@ def _alignment(
     return rows
 
 
+def _print_head_spectrum(
+    model: torch.nn.Module, train_x: torch.Tensor, args: argparse.Namespace
+) -> None:
+    """The classifier's ``A`` factor at initialisation, from the run's first batch."""
+    order = torch.Generator().manual_seed(1000 + args.seed)
+    idx = torch.randint(0, train_x.shape[0], (args.batch,), generator=order)
+    seen: list[torch.Tensor] = []
+    handle = model.get_classifier().register_forward_hook(
+        lambda _m, inputs, _out: seen.append(inputs[0].detach())
+    )
+    with torch.no_grad():
+        model(train_x[idx])
+    handle.remove()
+    a = seen[0].double().flatten(0, -2)
+    a = torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype)], dim=1)
+    values = torch.linalg.eigvalsh(a.T @ a / a.shape[0]).flip(0)
+    mean = values.mean()
+    print(
+        f"{args.model} depth {args.depth or 'as built'} seed {args.seed}: head A of side "
+        f"{values.numel()}: largest eigenvalue {float(values[0] / values.sum()):.3f} of the "
+        f"trace, {float(values[0] / mean):.1f}x the mean; second {float(values[1] / mean):.1f}x; "
+        f"median {float(values.median() / mean):.2g}x",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="eva02_tiny_patch14_224")
@@ -80,6 +110,7 @@ def main() -> None:
     parser.add_argument("--kfac", default=None, help="KFACPreconditioner options as JSON")
     parser.add_argument("--max-scaled-damping", action="store_true")
     parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--spectrum", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -101,6 +132,9 @@ def main() -> None:
     ).train()
     if args.head_std is not None:
         torch.nn.init.normal_(model.get_classifier().weight, std=args.head_std)
+    if args.spectrum:
+        _print_head_spectrum(model, train_x, args)
+        return
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(s, args.steps))
     pre = (

@@ -46,6 +46,15 @@ MODELS: dict[str, dict[str, Any]] = {
     "tf_efficientnet_b0": {},  # its strided convolutions pad as TensorFlow's 'SAME'
     # Its attention applies qkv with F.linear itself; rotary positions.
     "eva02_tiny_patch14_224": {"img_size": 32, "patch_size": 4},
+    # timm has no small BEiT: its base configuration at EVA-02-tiny's width (192, 3 heads,
+    # 12 blocks); like EVA's, its head starts at head_init_scale=0.001 of the usual scale.
+    "beit_base_patch16_224": {
+        "img_size": 32,
+        "patch_size": 4,
+        "embed_dim": 192,
+        "depth": 12,
+        "num_heads": 3,
+    },
 }
 
 
