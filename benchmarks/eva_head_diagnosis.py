@@ -176,11 +176,18 @@ def main() -> None:
         round(sum(losses[i : i + 10]) / len(losses[i : i + 10]), 3)
         for i in range(0, len(losses), 10)
     ]
+    hyper = pre.hyperparameters() if pre is not None else None
     print(
         f"{args.model} depth {args.depth or 'as built'} head_std {args.head_std} "
         f"kfac {args.kfac} max_scaled {args.max_scaled_damping}: "
         f"{100 * accuracy:.2f}% after {len(losses)} steps; loss per 10 steps {means}; "
-        f"{time.perf_counter() - start:.0f} s",
+        + (
+            f"intervals at the end {hyper.factor_update_steps}/{hyper.inv_update_steps}, "
+            f"factor decay {hyper.factor_decay:g}; "
+            if hyper is not None
+            else ""
+        )
+        + f"{time.perf_counter() - start:.0f} s",
         flush=True,
     )
 
