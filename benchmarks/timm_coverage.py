@@ -19,9 +19,14 @@ definitions with random weights (nothing downloaded):
 
     PYTHONPATH=. python benchmarks/timm_coverage.py [--device cuda] [--json OUT]
 
-Needs ``timm`` (which needs ``torchvision``: not installable on the CPU-only
-machines this project pins, so it runs where both are, such as a GPU
-machine's image).
+Needs ``timm`` (which needs ``torchvision``: not installable beside the
+pinned CPU torch). It runs where both are, such as a GPU machine's image,
+or on the CPU with timm installed on its own and the committed stand-in
+for torchvision (``benchmarks/torchvision_standin/sitecustomize.py``; none
+of these models calls torchvision)::
+
+    pip install --no-deps --target /tmp/timmsite timm==1.0.31
+    PYTHONPATH=benchmarks/torchvision_standin:/tmp/timmsite:. python benchmarks/...
 """
 
 from __future__ import annotations
