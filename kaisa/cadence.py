@@ -1,4 +1,4 @@
-"""Intervals that follow the curvature: ``adaptive_intervals``.
+"""Intervals that follow the curvature: ``adaptive_intervals`` and ``stale_refresh``.
 
 With ``eigenbasis_tolerance`` an inverse update tells how stale the held
 eigenbases were: each exact eigen side either keeps its basis (it still
@@ -20,15 +20,45 @@ keep a basis is no evidence and is skipped: those sides held the identity
 they start from, which a factor either fails (every side decomposes) or, at
 a loose tolerance, passes for no reason of its own. It is a pure function of
 the counts: two runs with the same seed stretch alike.
+
+:class:`StaleRefresh` shortens them instead, when the held curvature no
+longer describes the gradients. Its signal is each layer's ``‖P‖_F/‖∇‖_F``,
+the preconditioned over the raw gradient (before grafting and KL clipping),
+which costs two norms per layer. Right after an inverse update that ratio is
+the layer's reference; while the factors describe the gradients it stays
+within a small factor of it (on timm's EVA-02 refreshed at every step, no
+layer's ratio moved 4x from one step to the next, and at most 19% moved
+2x), and when they go stale it moves by orders of magnitude: there, under
+the automatic intervals (factors every 80 steps, inverses every 320), 71%
+of the layers moved more than 10x one step after the first refresh, as the
+gradients left the directions the factors held and damping alone set the
+step (``benchmarks/README.md``, session 47). After a step that did not
+update the inverses, when at least :data:`DRIFT_SHARE` of the layers moved
+by more than :data:`DRIFT_FACTOR` either way, the curvature is stale: the
+intervals in force are capped at one step (factors and inverses at every
+step from the next one), and the cap doubles at each inverse update until
+it reaches the intervals given or chosen, when it goes. A stale refresh
+during the climb cuts it back to one. The ranks agree on "stale" by an
+all-reduce, so they cap alike.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Any
 
 from kaisa.validation import check_count, check_flag
 
-__all__ = ["MAX_STRETCH", "STALE_HIGH", "STALE_LOW", "IntervalStretch"]
+__all__ = [
+    "DRIFT_FACTOR",
+    "DRIFT_SHARE",
+    "MAX_STRETCH",
+    "STALE_HIGH",
+    "STALE_LOW",
+    "IntervalStretch",
+    "StaleRefresh",
+]
 
 #: Below this share of decomposed bases at an inverse update, the intervals double.
 STALE_LOW = 0.2
@@ -89,3 +119,85 @@ class IntervalStretch:
         started = check_flag("state_dict 'interval_stretch' started", state.get("started", True))
         self.factor = factor
         self.started = started
+
+
+#: A layer whose preconditioned-over-raw gradient norm moved by more than this
+#: factor (either way) since its last inverse update counts as drifted.
+DRIFT_FACTOR = 4.0
+#: When at least this share of the layers measured drifted, the curvature is stale.
+DRIFT_SHARE = 0.25
+
+
+class StaleRefresh:
+    """A cap on the intervals while the curvature is stale (``stale_refresh``).
+
+    Args:
+        enabled: ``False`` leaves the intervals alone.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        #: The intervals in force are at most this (``None``: no cap).
+        self.cap: int | None = None
+        #: Each layer's ``‖P‖/‖∇‖`` at its last inverse update.
+        self.reference: dict[str, float] = {}
+
+    def stale(self, ratios: Mapping[str, float]) -> bool:
+        """Whether at least :data:`DRIFT_SHARE` of the layers drifted since their refresh."""
+        bound = math.log(DRIFT_FACTOR)
+        moved = total = 0
+        for name, ratio in ratios.items():
+            reference = self.reference.get(name)
+            if reference is None or not _usable(ratio) or not _usable(reference):
+                continue
+            total += 1
+            moved += abs(math.log(ratio / reference)) > bound
+        return total > 0 and moved >= DRIFT_SHARE * total
+
+    def shorten(self) -> None:
+        """Stale: factors and inverses every step from the next one."""
+        self.cap = 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cap": self.cap, "reference": dict(self.reference)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a saved cap and references; a bad value raises and changes nothing."""
+        where = "state_dict 'stale_refresh'"
+        if set(state) != {"cap", "reference"}:
+            raise ValueError(
+                f"{where} is malformed: it must hold 'cap' and 'reference'; got {sorted(state)}"
+            )
+        cap = state["cap"]
+        if cap is not None:
+            cap = check_count(cap, f"{where} cap")
+            if cap < 1 or cap & (cap - 1):
+                raise ValueError(f"{where} cap must be None or a power of 2 >= 1; got {cap}")
+        saved = state["reference"]
+        if not isinstance(saved, Mapping):
+            raise TypeError(f"{where} reference must map layer names to ratios")
+        reference: dict[str, float] = {}
+        for name, value in saved.items():
+            if not isinstance(name, str) or isinstance(value, bool):
+                raise TypeError(f"{where} reference[{name!r}] must be a ratio; got {value!r}")
+            if not isinstance(value, (int, float)):
+                raise TypeError(f"{where} reference[{name!r}] must be a ratio; got {value!r}")
+            if not (math.isnan(value) or (math.isfinite(value) and value >= 0)):
+                raise ValueError(
+                    f"{where} reference[{name!r}] must be a finite ratio >= 0 (or NaN); "
+                    f"got {value!r}"
+                )
+            reference[name] = float(value)
+        self.cap, self.reference = cap, reference
+
+    def refreshed(self, ratios: Mapping[str, float], longest: int) -> None:
+        """An inverse update: new references; a cap in force doubles, and goes at ``longest``."""
+        self.reference.update(ratios)
+        if self.cap is not None:
+            self.cap *= 2
+            if self.cap >= longest:
+                self.cap = None
+
+
+def _usable(value: float) -> bool:
+    return math.isfinite(value) and value > 0

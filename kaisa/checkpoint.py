@@ -5,7 +5,9 @@ the placement it was written under (world size, gradient workers), the
 options that shape the state (:data:`STATE_OPTIONS`), the automatic
 curvature choice, each layer's block state and, with
 ``adaptive_intervals``, the intervals' multiplier (``interval_stretch``;
-a checkpoint without one starts the multiplier at 1). Each level restores itself:
+a checkpoint without one starts the multiplier at 1) and, with
+``stale_refresh``, its cap on the intervals and each layer's reference ratio
+(``stale_refresh``; a checkpoint without them starts with neither). Each level restores itself:
 :meth:`~kaisa.curvature.budget.BudgetChoice.from_state` checks the choice,
 :func:`~kaisa.curvature.block.check_block_state` a block's state; this module
 checks the whole against the preconditioner that loads it
@@ -59,7 +61,7 @@ from typing import Any
 import torch
 
 from kaisa.autochoice import FixedSides
-from kaisa.cadence import IntervalStretch
+from kaisa.cadence import IntervalStretch, StaleRefresh
 from kaisa.choices import COMPUTE_METHODS, DAMPING_MODES, EIGEN_CORRECTIONS, FACTOR_INITS
 from kaisa.curvature.block import BlockLayout, CheckedBlockState, check_block_state
 from kaisa.curvature.budget import BudgetChoice
@@ -180,6 +182,8 @@ class Restore:
     shared: dict[str, SharedState] = field(default_factory=dict)
     #: The intervals' multiplier to restore (``adaptive_intervals``; ``None``: none saved).
     stretch: IntervalStretch | None = None
+    #: The refresh cap and references to restore (``stale_refresh``; ``None``: none saved).
+    stale: StaleRefresh | None = None
 
 
 def write_state(
@@ -192,9 +196,11 @@ def write_state(
     blocks: Mapping[str, dict[str, object]],
     fraction: FractionChoice | None = None,
     stretch: IntervalStretch | None = None,
+    stale: StaleRefresh | None = None,
 ) -> dict[str, Any]:
     """The state dict: see the module docstring (``blocks``: each layer's block state;
-    ``stretch``: the intervals' multiplier, written when ``adaptive_intervals`` is on)."""
+    ``stretch``: the intervals' multiplier, written when ``adaptive_intervals`` is on;
+    ``stale``: the refresh cap and references, written when ``stale_refresh`` is on)."""
     state = {
         "format": STATE_FORMAT,
         "steps": steps,
@@ -207,7 +213,19 @@ def write_state(
     }
     if stretch is not None and stretch.enabled:
         state["interval_stretch"] = stretch.state_dict()
+    if stale is not None and stale.enabled:
+        state["stale_refresh"] = stale.state_dict()
     return state
+
+
+def _saved_cadence(state_dict: Mapping[str, Any], key: str, holds: str) -> Mapping[str, Any] | None:
+    """A cadence's saved state (``interval_stretch``, ``stale_refresh``), or ``None``."""
+    saved = state_dict.get(key)
+    if saved is not None and not isinstance(saved, Mapping):
+        raise TypeError(
+            f"state_dict {key!r} must be a dict holding {holds}; got {type(saved).__name__}"
+        )
+    return saved
 
 
 def _legacy_method(saved: object, default: str) -> tuple[str, bool]:
@@ -342,7 +360,13 @@ def read_state(state_dict: object, target: CheckpointTarget) -> Restore:
     missing, unexpected = key_differences(
         state_dict,
         sorted(required),
-        optional=("curvature_choice", "format", "grad_worker_choice", "interval_stretch"),
+        optional=(
+            "curvature_choice",
+            "format",
+            "grad_worker_choice",
+            "interval_stretch",
+            "stale_refresh",
+        ),
     )
     if missing:
         raise ValueError(
@@ -354,16 +378,15 @@ def read_state(state_dict: object, target: CheckpointTarget) -> Restore:
             f"state_dict (format {version}) holds unexpected keys {', '.join(unexpected)}"
         )
     steps = check_count(state_dict["steps"], "state_dict 'steps'")
-    stretch = None
-    if state_dict.get("interval_stretch") is not None:
-        saved_stretch = state_dict["interval_stretch"]
-        if not isinstance(saved_stretch, Mapping):
-            raise TypeError(
-                "state_dict 'interval_stretch' must be a dict holding 'factor'; got "
-                f"{type(saved_stretch).__name__}"
-            )
+    stretch = stale = None
+    saved_stretch = _saved_cadence(state_dict, "interval_stretch", "'factor'")
+    if saved_stretch is not None:
         stretch = IntervalStretch(target.options.adaptive_intervals)
         stretch.load_state_dict(dict(saved_stretch))
+    saved_stale = _saved_cadence(state_dict, "stale_refresh", "'cap' and 'reference'")
+    if saved_stale is not None:
+        stale = StaleRefresh(target.options.stale_refresh)
+        stale.load_state_dict(saved_stale)
     world_size = check_count(state_dict["world_size"], "state_dict 'world_size'", low=1)
     grad_workers = check_count(state_dict["grad_workers"], "state_dict 'grad_workers'", low=1)
     saved_options = None if legacy else _saved_options(state_dict["options"])
@@ -501,4 +524,5 @@ def read_state(state_dict: object, target: CheckpointTarget) -> Restore:
         plan=plan,
         shared=shared,
         stretch=stretch,
+        stale=stale,
     )

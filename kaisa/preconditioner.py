@@ -24,7 +24,7 @@ from torch import nn
 
 from kaisa.attachment import attach, claim, holders, release, replaced, taken_over
 from kaisa.autochoice import AutoChoice
-from kaisa.cadence import IntervalStretch
+from kaisa.cadence import IntervalStretch, StaleRefresh
 from kaisa.capture import Capturer
 from kaisa.checkpoint import CheckpointTarget, StateDictOnly, read_state, write_state
 from kaisa.curvature.block import (
@@ -164,6 +164,7 @@ class KFACPreconditioner(StateDictOnly):
         eigenvalue_decay: float = 0.99,
         eigenbasis_tolerance: float | None = None,
         adaptive_intervals: bool = False,
+        stale_refresh: bool = True,
         grafting: str = "off",
         cost_model: CostModel = DEFAULT_COST_MODEL,
         process_group: dist.ProcessGroup | None = None,
@@ -278,6 +279,8 @@ class KFACPreconditioner(StateDictOnly):
         self._peak_capture_bytes = 0
         #: The intervals' multiplier (``adaptive_intervals``; 1 otherwise).
         self._stretch = IntervalStretch(options.adaptive_intervals)
+        #: Shorter intervals while the curvature is stale (``stale_refresh``).
+        self._stale = StaleRefresh(options.stale_refresh)
         self._capturer.arm(self._is_factor_step(), self._steps)
         self._force_inverse_update = False
         if not self._auto.pending:
@@ -407,7 +410,9 @@ class KFACPreconditioner(StateDictOnly):
 
     def hyperparameters(self) -> StepHyper:
         """Every hyperparameter's value at the current step (a bad schedule value raises)."""
-        return self.options.resolve(self._steps, self._auto.intervals, self._stretch.factor)
+        return self.options.resolve(
+            self._steps, self._auto.intervals, self._stretch.factor, self._stale.cap
+        )
 
     def hyperparameter(self, name: str) -> float | None:
         """The value of a hyperparameter at the current step (``None`` for kl_clip off)."""
@@ -424,13 +429,15 @@ class KFACPreconditioner(StateDictOnly):
 
     def _is_factor_step(self) -> bool:
         interval = self.options.factor_interval(
-            self._steps, self._auto.intervals, self._stretch.factor
+            self._steps, self._auto.intervals, self._stretch.factor, self._stale.cap
         )
         return self._steps % interval == 0
 
     def _is_update_step(self) -> bool:
         """The current step updates factors or second-order state (by the schedules)."""
-        inv = self.options.inverse_interval(self._steps, self._auto.intervals, self._stretch.factor)
+        inv = self.options.inverse_interval(
+            self._steps, self._auto.intervals, self._stretch.factor, self._stale.cap
+        )
         return self._is_factor_step() or self._steps % inv == 0
 
     # -- hooks -----------------------------------------------------------------------
@@ -484,10 +491,22 @@ class KFACPreconditioner(StateDictOnly):
                     reduced = self._capturer.settle()
                     if reduced is not None:
                         hyper = self._update_factors(hyper, reduced)
-            if self._steps % hyper.inv_update_steps == 0 or self._force_inverse_update:
+            refreshed = self._steps % hyper.inv_update_steps == 0 or self._force_inverse_update
+            if refreshed:
                 self._update_second_order(hyper.damping)
                 self._force_inverse_update = False
-            self._precondition(hyper)
+            # With intervals of 1 (and no cap) there is nothing to shorten; the
+            # intervals agree over the ranks, so they skip this alike.
+            watching = self._stale.enabled and (
+                self._stale.cap is not None
+                or hyper.factor_update_steps > 1
+                or hyper.inv_update_steps > 1
+            )
+            ratios = self._precondition(hyper, watching)
+            if watching:
+                self._follow_staleness(ratios, refreshed)
+            elif self._stale.enabled:  # (references from before would be out of date)
+                self._stale.reference.clear()
         finally:
             self._capturer.end_iteration()
             self._grads.release()
@@ -602,7 +621,33 @@ class KFACPreconditioner(StateDictOnly):
                     self._stretch.factor,
                 )
 
-    def _precondition(self, hyper: StepHyper) -> None:
+    def _follow_staleness(self, ratios: dict[str, float], refreshed: bool) -> None:
+        """``stale_refresh``: new references after an inverse update; else, check for drift.
+
+        The ranks agree on both (one tiny all-reduce): a rank may recompute its
+        inverses when another does not (after loading another rank's checkpoint),
+        and every rank must cap its intervals alike.
+        """
+        stale = not refreshed and self._stale.stale(ratios)
+        refreshed, stale = self.comm.any_rank([refreshed, stale])
+        if refreshed:
+            longest = max(
+                self.options.factor_interval(
+                    self._steps, self._auto.intervals, self._stretch.factor
+                ),
+                self.options.inverse_interval(
+                    self._steps, self._auto.intervals, self._stretch.factor
+                ),
+            )
+            self._stale.refreshed(ratios, longest)
+        elif stale:
+            self._stale.shorten()
+            self.telemetry.stale_refreshes += 1
+            log.info("kaisa: step %d: the curvature went stale; refreshing", self._steps)
+
+    def _precondition(self, hyper: StepHyper, measure: bool = False) -> dict[str, float]:
+        """Precondition every layer's gradient; with ``measure``, return each layer's
+        ``‖P‖/‖∇‖`` before grafting and KL clipping (``stale_refresh``)."""
         pairs: list[tuple[Layer, torch.Tensor, torch.Tensor]] = []
         sends: list[tuple[str, torch.Tensor]] = []
         # A layer not called this step keeps its raw gradient. With several ranks
@@ -633,6 +678,17 @@ class KFACPreconditioner(StateDictOnly):
                     + _NO_GRADIENT_CAUSES
                 )
         self.comm.broadcast_gradients(sends)
+        ratios: dict[str, float] = {}
+        if measure and pairs:
+            # One host sync for all layers (the norms stay on the device until then).
+            dtype = torch.float32
+            sizes = torch.stack(
+                [torch.stack([p.to(dtype).norm(), g.to(dtype).norm()]) for _, p, g in pairs]
+            ).tolist()
+            ratios = {
+                layer.name: (p / g if g > 0 else float("nan"))
+                for (layer, _, _), (p, g) in zip(pairs, sizes, strict=True)
+            }
         if self.options.grafting == "layer":
             for _, preconditioned, grad in pairs:
                 graft(preconditioned, grad)
@@ -653,6 +709,7 @@ class KFACPreconditioner(StateDictOnly):
                     preconditioned.mul_(scale)
                 layer.handler.set_grad_matrix(preconditioned)
             self._grads.flush()  # (staged accesses: ZeRO's partitions, FSDP2's shards)
+        return ratios
 
     # -- inspection, checkpoints, teardown ------------------------------------------------
     def coverage(self) -> Coverage:
@@ -691,6 +748,7 @@ class KFACPreconditioner(StateDictOnly):
             blocks={layer.name: layer.state_dict() for layer in self._roster},
             fraction=self.grad_worker_choice,
             stretch=self._stretch,
+            stale=self._stale,
         )
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -729,6 +787,12 @@ class KFACPreconditioner(StateDictOnly):
         if self._stretch.enabled:
             saved = restore.stretch.state_dict() if restore.stretch is not None else {"factor": 1}
             self._stretch.load_state_dict(saved)
+        if self._stale.enabled:
+            self._stale.load_state_dict(
+                restore.stale.state_dict()
+                if restore.stale is not None
+                else {"cap": None, "reference": {}}
+            )
         self._auto.restored(self._steps)
         self._capturer.arm(self._is_factor_step(), self._steps)
         self._force_inverse_update = restore.recompute

@@ -78,6 +78,8 @@ class Telemetry:
         interval_changes: changes of the intervals' multiplier
             (``adaptive_intervals``; the multiplier in force is
             ``KFACPreconditioner.interval_stretch``).
+        stale_refreshes: steps at which ``stale_refresh`` found the curvature
+            stale and cut the intervals to one step.
         failed_decompositions: decompositions that failed (state kept).
         float64_decompositions: float32 eigendecompositions redone in float64
             because the damped solve would have been inaccurate
@@ -106,6 +108,7 @@ class Telemetry:
         self.side_refreshes = 0
         self.kept_eigenbases = 0
         self.interval_changes = 0
+        self.stale_refreshes = 0
         self.failed_decompositions = 0
         self.float64_decompositions = 0
         self.kl_clipped_steps = 0
@@ -168,6 +171,7 @@ class Telemetry:
             f"side_refreshes={self.side_refreshes}, "
             f"kept_eigenbases={self.kept_eigenbases}, "
             f"interval_changes={self.interval_changes}, "
+            f"stale_refreshes={self.stale_refreshes}, "
             f"failed_decompositions={self.failed_decompositions}, "
             f"float64_decompositions={self.float64_decompositions}, "
             f"kl_clipped_steps={self.kl_clipped_steps})"
@@ -187,6 +191,7 @@ class Telemetry:
             "side_refreshes": self.side_refreshes,
             "kept_eigenbases": self.kept_eigenbases,
             "interval_changes": self.interval_changes,
+            "stale_refreshes": self.stale_refreshes,
             "failed_decompositions": self.failed_decompositions,
             "float64_decompositions": self.float64_decompositions,
             "kl_clipped_steps": self.kl_clipped_steps,

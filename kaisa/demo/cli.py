@@ -378,6 +378,12 @@ _KFAC_OPTIONS: _Options = {
         "stale (needs --eigenbasis-tolerance); 'off': the intervals as given",
         {"type": _on_off, "metavar": "{on,off}"},
     ),
+    "--stale-refresh": (
+        "'on': refresh factors and inverses every step (then doubling back to the intervals "
+        "given or chosen) when the preconditioned gradients' sizes show the curvature went "
+        "stale; 'off': the intervals as given",
+        {"type": _on_off, "metavar": "{on,off}"},
+    ),
     "--factor-sample": (
         "the share of each layer call's rows (tokens; a convolution's examples) the factor "
         "products multiply out, drawn anew at every factor update (1: every row)",

@@ -329,6 +329,7 @@ class KfacConfig:
     eigenvalue_correction: str | None = None
     eigenbasis_tolerance: float | None = None
     adaptive_intervals: bool | None = None
+    stale_refresh: bool | None = None
     time_budget: float | None = None
     factor_sample: float | None = None
 

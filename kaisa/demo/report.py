@@ -422,16 +422,19 @@ def _choice_text(row: dict[str, Any]) -> str:
     """kaisa's automatic choice (the first seed's), e.g. 'factors/inverses every 80/100; ...'.
 
     With ``adaptive_intervals`` it says how far the intervals were stretched,
-    with or without an automatic choice.
+    with ``stale_refresh`` how often the curvature was found stale, with or
+    without an automatic choice.
     """
     choice = row.get("curvature_choice") or {}
     stretch = row.get("interval_stretch") or {}
     stretched = (
         f" (adaptive_intervals: x{stretch['factor']} at the end, "
         f"{stretch.get('changes', 0)} change(s))"
-        if stretch
+        if "factor" in stretch
         else ""
     )
+    if "stale_refreshes" in stretch:
+        stretched += f" (stale_refresh: stale {stretch['stale_refreshes']} time(s))"
     if not choice:
         return f"no automatic choice, intervals as given{stretched}" if stretched else ""
     held = [

@@ -154,7 +154,9 @@ class RunResult:
     #: intervals, the modelled share (K-FAC arms with an automatic choice only).
     kfac_choice: dict[str, Any] = field(default_factory=dict)
     #: With ``adaptive_intervals``: the intervals' multiplier at the end
-    #: (``factor``) and how often it changed (``changes``); empty otherwise.
+    #: (``factor``) and how often it changed (``changes``); with
+    #: ``stale_refresh``: how often the curvature was found stale
+    #: (``stale_refreshes``); empty otherwise.
     interval_stretch: dict[str, int] = field(default_factory=dict)
     #: What the run is measured by (a key of ``METRICS``): which evaluation
     #: value the target applies to and which way is better.
@@ -707,6 +709,8 @@ def _arm_run(
                 "factor": pre.interval_stretch,
                 "changes": pre.telemetry.interval_changes,
             }
+        if pre.options.stale_refresh:  # refreshes the staleness added
+            result.interval_stretch["stale_refreshes"] = pre.telemetry.stale_refreshes
     # K-FAC's cost: the time inside preconditioner.step() plus what its hooks
     # spend during the forward and backward passes (captures, factor products,
     # all-reduce launches): the telemetry's phase time accrued between steps.

@@ -95,6 +95,7 @@ _PLAIN = (
     "eigenvalue_decay",
     "eigenbasis_tolerance",
     "adaptive_intervals",
+    "stale_refresh",
     "grafting",
     "time_budget",
     "calibrate_budget",
