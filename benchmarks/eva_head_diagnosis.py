@@ -21,6 +21,11 @@ training loss averaged over each 10 steps. Each run is one change:
 - ``--trace``: every 5 steps, the layers whose preconditioned gradient is
   least aligned with the raw one (cosine/norm ratio), and those it
   scales most;
+- ``--signal FILE``: every step, one JSON line: the loss, whether the step
+  updated factors and inverses, the KL-clipping scale, and for every
+  parameter of two or more dimensions the cosine between its preconditioned
+  and raw gradients and their norm ratio (KL clipping divided out): the
+  signal ``stale_refresh`` reads (session 47);
 - ``--spectrum``: no training; the spectrum of the classifier's ``A``
   factor (its input with the bias's 1 appended, second moment over the
   first batch) at initialisation, in float64: the largest eigenvalue's
@@ -112,6 +117,7 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--spectrum", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--signal", default=None, help="write per-step per-layer JSON lines here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.max_scaled_damping:
@@ -150,15 +156,29 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(train_x[idx]), train_y[idx])
         loss.backward()
-        tracing = pre is not None and args.trace and step % 5 == 4
+        tracing = pre is not None and (args.signal or (args.trace and step % 5 == 4))
         raw = {
             n: p.grad.detach().clone()
             for n, p in model.named_parameters()
             if tracing and p.grad is not None and p.dim() >= 2
         }
         if pre is not None:
+            captured, refreshes = pre.capturing, pre.telemetry.side_refreshes
             pre.step()
-        if tracing:
+        if tracing and args.signal:
+            kl = pre.telemetry.last_kl_scale
+            rows = {n: (round(c, 4), m / kl) for c, m, n in _alignment(raw, model)}
+            record = {
+                "step": step + 1,
+                "loss": round(loss.item(), 4),
+                "factors": captured,
+                "inverses": pre.telemetry.side_refreshes > refreshes,
+                "kl": kl,
+                "layers": rows,
+            }
+            with open(args.signal, "a") as out:
+                out.write(json.dumps(record) + "\n")
+        elif tracing:
             rows = _alignment(raw, model)
             least = sorted(rows)[:5]
             most = sorted(rows, key=lambda r: -r[1])[:5]
@@ -183,7 +203,8 @@ def main() -> None:
         f"{100 * accuracy:.2f}% after {len(losses)} steps; loss per 10 steps {means}; "
         + (
             f"intervals at the end {hyper.factor_update_steps}/{hyper.inv_update_steps}, "
-            f"factor decay {hyper.factor_decay:g}; "
+            f"factor decay {hyper.factor_decay:g}; stale refreshes "
+            f"{pre.telemetry.stale_refreshes}; "
             if hyper is not None
             else ""
         )

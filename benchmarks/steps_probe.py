@@ -450,6 +450,9 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
                 if made[0].options.adaptive_intervals:  # the intervals' multiplier at the end
                     row["interval_stretch"] = made[0].interval_stretch
                     row["interval_changes"] = telemetry.interval_changes
+            if made and made[0].options.stale_refresh:  # refreshes the staleness added
+                row["stale_refreshes"] = made[0].telemetry.stale_refreshes
+                row["side_refreshes"] = made[0].telemetry.side_refreshes
             choice = result.kfac_choice
             if choice:
                 row["intervals"] = [choice["factor_update_steps"], choice["inv_update_steps"]]
