@@ -166,7 +166,8 @@ class StaleRefresh:
         where = "state_dict 'stale_refresh'"
         if set(state) != {"cap", "reference"}:
             raise ValueError(
-                f"{where} is malformed: it must hold 'cap' and 'reference'; got {sorted(state)}"
+                f"{where} is malformed: it must hold 'cap' and 'reference'; got "
+                f"{sorted(map(repr, state))}"
             )
         cap = state["cap"]
         if cap is not None:
@@ -178,9 +179,11 @@ class StaleRefresh:
             raise TypeError(f"{where} reference must map layer names to ratios")
         reference: dict[str, float] = {}
         for name, value in saved.items():
-            if not isinstance(name, str) or isinstance(value, bool):
-                raise TypeError(f"{where} reference[{name!r}] must be a ratio; got {value!r}")
-            if not isinstance(value, (int, float)):
+            if (
+                not isinstance(name, str)
+                or isinstance(value, bool)
+                or not isinstance(value, (int, float))
+            ):
                 raise TypeError(f"{where} reference[{name!r}] must be a ratio; got {value!r}")
             if not (math.isnan(value) or (math.isfinite(value) and value >= 0)):
                 raise ValueError(
