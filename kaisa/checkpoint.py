@@ -7,7 +7,8 @@ curvature choice, each layer's block state and, with
 ``adaptive_intervals``, the intervals' multiplier (``interval_stretch``;
 a checkpoint without one starts the multiplier at 1) and, with
 ``stale_refresh``, its cap on the intervals and each layer's reference ratio
-(``stale_refresh``; a checkpoint without them starts with neither). Each level restores itself:
+(key ``stale_refresh``; a checkpoint without them starts with neither).
+Each level restores itself:
 :meth:`~kaisa.curvature.budget.BudgetChoice.from_state` checks the choice,
 :func:`~kaisa.curvature.block.check_block_state` a block's state; this module
 checks the whole against the preconditioner that loads it

@@ -381,7 +381,7 @@ _KFAC_OPTIONS: _Options = {
     "--stale-refresh": (
         "'on': refresh factors and inverses every step (then doubling back to the intervals "
         "given or chosen) when the preconditioned gradients' sizes show the curvature went "
-        "stale; 'off': the intervals as given",
+        "stale (the default); 'off': the intervals as given or chosen",
         {"type": _on_off, "metavar": "{on,off}"},
     ),
     "--factor-sample": (
