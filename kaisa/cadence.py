@@ -45,8 +45,10 @@ all-reduce, so they cap alike.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import torch
 
 from kaisa.validation import check_count, check_flag
 
@@ -58,6 +60,7 @@ __all__ = [
     "STALE_LOW",
     "IntervalStretch",
     "StaleRefresh",
+    "size_ratios",
 ]
 
 #: Below this share of decomposed bases at an inverse update, the intervals double.
@@ -142,6 +145,40 @@ class StaleRefresh:
         #: Each layer's ``‖P‖/‖∇‖`` at its last inverse update.
         self.reference: dict[str, float] = {}
 
+    def watches(self, factor_steps: int, inv_steps: int) -> bool:
+        """Whether this step is measured: on, and an interval (or a cap) left to shorten.
+
+        With intervals of 1 and no cap there is nothing to shorten; the references
+        are dropped then, as they would be out of date when the intervals grow.
+        """
+        if not self.enabled:
+            return False
+        if self.cap is None and factor_steps == 1 and inv_steps == 1:
+            self.reference.clear()
+            return False
+        return True
+
+    def follow(
+        self,
+        ratios: Mapping[str, float],
+        refreshed: bool,
+        agree: Callable[[Sequence[bool]], list[bool]],
+        longest: int,
+    ) -> bool:
+        """One measured step; returns whether the curvature was found stale (cap cut to 1).
+
+        ``agree`` ORs flags over the ranks: a rank may recompute its inverses when
+        another does not (after loading another rank's checkpoint), and every rank
+        must cap alike. ``longest``: the longer of the uncapped intervals in force.
+        """
+        stale = not refreshed and self.stale(ratios)
+        refreshed, stale = agree([refreshed, stale])
+        if refreshed:
+            self.refreshed(ratios, longest)
+        elif stale:
+            self.cap = 1
+        return stale and not refreshed
+
     def stale(self, ratios: Mapping[str, float]) -> bool:
         """Whether at least :data:`DRIFT_SHARE` of the layers drifted since their refresh."""
         bound = math.log(DRIFT_FACTOR)
@@ -153,10 +190,6 @@ class StaleRefresh:
             total += 1
             moved += abs(math.log(ratio / reference)) > bound
         return total > 0 and moved >= DRIFT_SHARE * total
-
-    def shorten(self) -> None:
-        """Stale: factors and inverses every step from the next one."""
-        self.cap = 1
 
     def state_dict(self) -> dict[str, Any]:
         return {"cap": self.cap, "reference": dict(self.reference)}
@@ -200,6 +233,21 @@ class StaleRefresh:
             self.cap *= 2
             if self.cap >= longest:
                 self.cap = None
+
+
+def size_ratios(pairs: Sequence[tuple[str, torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+    """Each layer's ``‖P‖_F/‖∇‖_F`` from ``(name, preconditioned, raw)``, with one host sync
+    (NaN for a zero raw gradient)."""
+    if not pairs:
+        return {}
+    dtype = torch.float32
+    sizes = torch.stack(
+        [torch.stack([p.to(dtype).norm(), g.to(dtype).norm()]) for _, p, g in pairs]
+    ).tolist()
+    return {
+        name: (p / g if g > 0 else float("nan"))
+        for (name, _, _), (p, g) in zip(pairs, sizes, strict=True)
+    }
 
 
 def _usable(value: float) -> bool:

@@ -24,7 +24,7 @@ from torch import nn
 
 from kaisa.attachment import attach, claim, holders, release, replaced, taken_over
 from kaisa.autochoice import AutoChoice
-from kaisa.cadence import IntervalStretch, StaleRefresh
+from kaisa.cadence import IntervalStretch, StaleRefresh, size_ratios
 from kaisa.capture import Capturer
 from kaisa.checkpoint import CheckpointTarget, StateDictOnly, read_state, write_state
 from kaisa.curvature.block import (
@@ -495,18 +495,11 @@ class KFACPreconditioner(StateDictOnly):
             if refreshed:
                 self._update_second_order(hyper.damping)
                 self._force_inverse_update = False
-            # With intervals of 1 (and no cap) there is nothing to shorten; the
-            # intervals agree over the ranks, so they skip this alike.
-            watching = self._stale.enabled and (
-                self._stale.cap is not None
-                or hyper.factor_update_steps > 1
-                or hyper.inv_update_steps > 1
-            )
+            # (The intervals agree over the ranks: they measure alike.)
+            watching = self._stale.watches(hyper.factor_update_steps, hyper.inv_update_steps)
             ratios = self._precondition(hyper, watching)
             if watching:
                 self._follow_staleness(ratios, refreshed)
-            elif self._stale.enabled:  # (references from before would be out of date)
-                self._stale.reference.clear()
         finally:
             self._capturer.end_iteration()
             self._grads.release()
@@ -622,26 +615,12 @@ class KFACPreconditioner(StateDictOnly):
                 )
 
     def _follow_staleness(self, ratios: dict[str, float], refreshed: bool) -> None:
-        """``stale_refresh``: new references after an inverse update; else, check for drift.
-
-        The ranks agree on both (one tiny all-reduce): a rank may recompute its
-        inverses when another does not (after loading another rank's checkpoint),
-        and every rank must cap its intervals alike.
-        """
-        stale = not refreshed and self._stale.stale(ratios)
-        refreshed, stale = self.comm.any_rank([refreshed, stale])
-        if refreshed:
-            longest = max(
-                self.options.factor_interval(
-                    self._steps, self._auto.intervals, self._stretch.factor
-                ),
-                self.options.inverse_interval(
-                    self._steps, self._auto.intervals, self._stretch.factor
-                ),
-            )
-            self._stale.refreshed(ratios, longest)
-        elif stale:
-            self._stale.shorten()
+        """``stale_refresh`` (:class:`~kaisa.cadence.StaleRefresh`) after a measured step."""
+        longest = max(
+            self.options.factor_interval(self._steps, self._auto.intervals, self._stretch.factor),
+            self.options.inverse_interval(self._steps, self._auto.intervals, self._stretch.factor),
+        )
+        if self._stale.follow(ratios, refreshed, self.comm.any_rank, longest):
             self.telemetry.stale_refreshes += 1
             log.info("kaisa: step %d: the curvature went stale; refreshing", self._steps)
 
@@ -678,17 +657,7 @@ class KFACPreconditioner(StateDictOnly):
                     + _NO_GRADIENT_CAUSES
                 )
         self.comm.broadcast_gradients(sends)
-        ratios: dict[str, float] = {}
-        if measure and pairs:
-            # One host sync for all layers (the norms stay on the device until then).
-            dtype = torch.float32
-            sizes = torch.stack(
-                [torch.stack([p.to(dtype).norm(), g.to(dtype).norm()]) for _, p, g in pairs]
-            ).tolist()
-            ratios = {
-                layer.name: (p / g if g > 0 else float("nan"))
-                for (layer, _, _), (p, g) in zip(pairs, sizes, strict=True)
-            }
+        ratios = size_ratios([(la.name, p, g) for la, p, g in pairs]) if measure else {}
         if self.options.grafting == "layer":
             for _, preconditioned, grad in pairs:
                 graft(preconditioned, grad)

@@ -38,8 +38,15 @@ def test_the_rule_cuts_to_one_step_on_drift_and_doubles_back() -> None:
     unreferenced = {name: 1.0 for name in "efghi"}
     assert watch.stale({"a": 100.0, "b": 2.0, "c": 3.0, "d": 4.0, **unreferenced})
     assert not watch.stale({"a": float("nan"), "b": 0.0, "c": float("inf"), "e": 50.0})
-    watch.shorten()
-    assert watch.cap == 1
+    # follow(): a measured step that was not a refresh and drifted cuts the cap to 1
+    # (the flags as every rank agreed on them: here, one rank).
+    agree = list
+    assert not watch.follow({"a": 1.0}, False, agree, longest=16) and watch.cap is None
+    assert watch.follow({"a": 100.0}, False, agree, longest=16) and watch.cap == 1
+    # Another rank's refresh wins over this rank's drift: new references, no cut.
+    assert not watch.follow({"a": 100.0}, False, lambda flags: [True, True], longest=16)
+    assert watch.cap == 2 and watch.reference["a"] == 100.0
+    watch.cap = 1
     caps = []
     for _ in range(5):
         watch.refreshed({"a": 1.0}, longest=16)
