@@ -376,7 +376,8 @@ class KFACOptions:
             inverses, compare each layer's ``‖P‖_F / ‖∇‖_F`` (its
             preconditioned over its raw gradient, before grafting and KL
             clipping) with its value at the layer's last inverse update; when
-            at least a quarter of the layers moved by more than 4x either way
+            at least a quarter of the layers, and at least two of them (the one
+            layer of a one-layer model), moved by more than 4x either way
             (:mod:`kaisa.cadence`), the curvature is stale: factors and
             inverses are updated at every step from the next one, and the cap
             on the intervals doubles at each update until it reaches the

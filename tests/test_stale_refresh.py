@@ -18,7 +18,7 @@ from test_eigenbasis_tolerance import _weights
 from torch import nn
 
 import kaisa
-from kaisa.cadence import DRIFT_FACTOR, DRIFT_SHARE, StaleRefresh
+from kaisa.cadence import DRIFT_FACTOR, DRIFT_LAYERS, DRIFT_SHARE, StaleRefresh
 from kaisa.options import auto_decay
 
 
@@ -29,14 +29,27 @@ def test_the_rule_cuts_to_one_step_on_drift_and_doubles_back() -> None:
     assert watch.cap is None and watch.reference == {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0}
     # Moves of at most DRIFT_FACTOR either way are no drift.
     assert not watch.stale({"a": DRIFT_FACTOR, "b": 2.0 / DRIFT_FACTOR, "c": 3.0, "d": 4.0})
-    # One layer in four past the factor is DRIFT_SHARE of them: stale (either way).
-    assert DRIFT_SHARE == 0.25
-    assert watch.stale({"a": 1.01 * DRIFT_FACTOR, "b": 2.0, "c": 3.0, "d": 4.0})
-    assert watch.stale({"a": 0.99 / DRIFT_FACTOR, "b": 2.0, "c": 3.0, "d": 4.0})
-    # Layers without a reference are not counted (counted, 1 in 9 would not be stale),
+    # Two layers in four past the factor: stale (either way).
+    assert DRIFT_SHARE == 0.25 and DRIFT_LAYERS == 2
+    up, down = 1.01 * DRIFT_FACTOR, 0.99 * 2.0 / DRIFT_FACTOR
+    assert watch.stale({"a": up, "b": down, "c": 3.0, "d": 4.0})
+    # One layer alone is not the model's curvature, even when it is DRIFT_SHARE of them
+    # (as the suite's SmallCNN's classifier was).
+    assert not watch.stale({"a": 100.0, "b": 2.0, "c": 3.0, "d": 4.0})
+    # In a larger model DRIFT_SHARE of the layers is needed: 2 of 8 are, 2 of 12 are not.
+    wide = StaleRefresh(True)
+    wide.refreshed({str(i): 1.0 for i in range(12)}, longest=16)
+    assert wide.stale({str(i): 100.0 if i < 2 else 1.0 for i in range(8)})
+    assert not wide.stale({str(i): 100.0 if i < 2 else 1.0 for i in range(12)})
+    assert wide.stale({str(i): 100.0 if i < 3 else 1.0 for i in range(12)})
+    # A model of one layer needs that layer only.
+    single = StaleRefresh(True)
+    single.refreshed({"a": 1.0}, longest=16)
+    assert single.stale({"a": 100.0}) and not single.stale({"a": 2.0})
+    # Layers without a reference are not counted (counted, 2 in 9 would not be stale),
     # nor ratios that are not finite and positive.
     unreferenced = {name: 1.0 for name in "efghi"}
-    assert watch.stale({"a": 100.0, "b": 2.0, "c": 3.0, "d": 4.0, **unreferenced})
+    assert watch.stale({"a": 100.0, "b": 0.01, "c": 3.0, "d": 4.0, **unreferenced})
     assert not watch.stale({"a": float("nan"), "b": 0.0, "c": float("inf"), "e": 50.0})
     # follow(): a measured step that was not a refresh and drifted cuts the cap to 1
     # (the flags as every rank agreed on them: here, one rank).
