@@ -97,6 +97,7 @@ def _run(
     )
     order = torch.Generator().manual_seed(1000 + seed)
     curve: list[tuple[int, float]] = []
+    clock: list[float] = []  # training seconds (evaluation excluded) at each evaluation
     losses: list[float] = []
     elapsed = 0.0
     for step in range(args.steps):
@@ -118,6 +119,7 @@ def _run(
         losses.append(float(loss.detach()))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             curve.append((step + 1, _accuracy(model, test_x, test_y)))
+            clock.append(elapsed)
     raw = [t.parameter for t in pre.coverage().raw()] if pre is not None else []
     return {
         "model": name,
@@ -126,11 +128,21 @@ def _run(
         "seed": seed,
         "final_accuracy": curve[-1][1],
         "curve": curve,
+        "train_seconds_at_eval": clock,
         "final_train_loss": sum(losses[-20:]) / len(losses[-20:]),
         "finite": all(math.isfinite(v) for v in losses),
         "ms_per_step": 1000 * elapsed / args.steps,
         "raw": raw,
         "kfac": json.loads(args.kfac) if with_kaisa else None,
+        # How often the curvature was found stale, the side refreshes in all, and
+        # the intervals in force at the end (kaisa arm only).
+        "stale_refreshes": pre.telemetry.stale_refreshes if pre is not None else None,
+        "side_refreshes": pre.telemetry.side_refreshes if pre is not None else None,
+        "intervals": (
+            [pre.hyperparameters().factor_update_steps, pre.hyperparameters().inv_update_steps]
+            if pre is not None
+            else None
+        ),
     }
 
 

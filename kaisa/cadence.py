@@ -133,8 +133,9 @@ DRIFT_FACTOR = 4.0
 DRIFT_SHARE = 0.25
 #: ... and at least this many of them (all of them in a model with fewer): one
 #: layer alone is not the model's curvature. On the suite's SmallCNN (4 layers)
-#: the 10-way classifier alone crossed 4x at every trigger, and the triggers
-#: cost steps and time (``benchmarks/README.md``, session 48).
+#: the 10-way classifier alone crossed 4x at every trigger, five a run, and the
+#: refreshes took K-FAC from 15% to 25% of the step (``benchmarks/README.md``,
+#: session 48).
 DRIFT_LAYERS = 2
 
 
