@@ -38,6 +38,10 @@ Grafting = Literal["off", "layer"]
 """Whether each layer's preconditioned gradient takes the raw gradient's norm."""
 GRAFTINGS: tuple[Grafting, ...] = get_args(Grafting)
 
+Profile = Literal["auto", "general", "language-model"]
+"""Which defaults the options left 'auto' take: chosen from the model, or named."""
+PROFILES: tuple[Profile, ...] = get_args(Profile)
+
 NamedFraction = Literal["comm-opt", "hybrid-opt", "mem-opt"]
 """The gradient-worker fractions with names (KAISA's three strategies)."""
 NAMED_FRACTIONS: tuple[NamedFraction, ...] = get_args(NamedFraction)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from kaisa.choices import (
     ASSIGNMENT_STRATEGIES,
@@ -23,13 +24,14 @@ from kaisa.choices import (
     EIGEN_CORRECTIONS,
     FACTOR_INITS,
     GRAFTINGS,
+    PROFILES,
     AssignmentStrategy,
     ComputeMethod,
     ConvEstimator,
     DampingMode,
-    EigenCorrection,
     FactorInit,
     Grafting,
+    Profile,
 )
 from kaisa.curvature.budget import MIN_FACTOR_STEPS, MIN_INV_STEPS
 from kaisa.curvature.costs import DEFAULT_COST_MODEL, CostModel, SideSpec, check_cost_model
@@ -44,6 +46,59 @@ AUTO_OPTIONS = ("factor_update_steps", "inv_update_steps", "factor_decay")
 #: ``factor_decay`` keeps whatever the factor interval: ``1 − interval / window``.
 DECAY_WINDOW_STEPS = 200.0
 
+#: The options whose default, ``'auto'``, takes its value from the profile.
+PROFILED_OPTIONS = (
+    "factor_update_steps",
+    "inv_update_steps",
+    "time_budget",
+    "eigenvalue_correction",
+    "eigenbasis_tolerance",
+    "adaptive_intervals",
+)
+#: What each profile gives the options left ``'auto'`` (see ``profile``).
+#: 'general' is kaisa's configuration for every model; 'language-model' the
+#: one that took the fewest steps on the suite's language model and on
+#: HuggingFace's GPT-2, Llama and OPT (``docs/language-models.md``).
+PROFILE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "general": {
+        "factor_update_steps": None,
+        "inv_update_steps": None,
+        "time_budget": 0.1,
+        "eigenvalue_correction": "off",
+        "eigenbasis_tolerance": None,
+        "adaptive_intervals": False,
+    },
+    "language-model": {
+        "factor_update_steps": 5,
+        "inv_update_steps": 5,
+        "time_budget": 1.25,
+        "eigenvalue_correction": "ekfac",
+        "eigenbasis_tolerance": 0.05,
+        "adaptive_intervals": True,
+    },
+}
+
+
+def token_embeddings(model: nn.Module) -> list[str]:
+    """The names of the model's ``nn.Embedding`` modules (its token lookups)."""
+    return [name or "<model>" for name, m in model.named_modules() if isinstance(m, nn.Embedding)]
+
+
+def model_profile(model: nn.Module) -> Profile:
+    """``profile='auto'`` for ``model``: 'language-model' if it looks up tokens, else 'general'.
+
+    A model with an ``nn.Embedding`` (or a subclass: HuggingFace's scaled and
+    learned-position embeddings) reads token ids, as a language model, an
+    encoder of text or a sequence-to-sequence model does; vision models (CNNs,
+    ViTs with their patches and position parameters) have none.
+    """
+    return "language-model" if token_embeddings(model) else "general"
+
+
+def left_auto(value: object) -> bool:
+    return isinstance(value, str) and value == "auto"
+
+
 #: The published KAISA implementation's defaults (spec §1, §3, §4), for
 #: :meth:`kaisa.KFACPreconditioner.with_reference_defaults`.
 REFERENCE_DEFAULTS: dict[str, Any] = {
@@ -56,6 +111,7 @@ REFERENCE_DEFAULTS: dict[str, Any] = {
     "damping_mode": "absolute",
     "factor_init": "identity",
     "stale_refresh": False,
+    "profile": "general",
 }
 
 #: A side's fixed representation, or ``None`` for the automatic choice.
@@ -213,8 +269,12 @@ class KFACOptions:
     ``TypeError`` or ``ValueError`` naming it and what is allowed).
 
     Attributes:
-        factor_update_steps: update the factors every this many steps.
-        inv_update_steps: recompute the second-order state every this many steps.
+        factor_update_steps: update the factors every this many steps
+            (``'auto'``, the default: the profile's; ``None``: chosen by the
+            budget).
+        inv_update_steps: recompute the second-order state every this many steps
+            (``'auto'``: the profile's; under 'language-model' the factors'
+            interval when that one is given; ``None``: chosen by the budget).
         damping: Tikhonov damping ``γ`` (>= 1e-12: below, no float32 or float64
             solve is regularised; a singular factor would give inf or NaN).
         factor_decay: running-average decay ``ξ`` in ``[0, 1)``.
@@ -300,7 +360,8 @@ class KFACOptions:
             mapping from layer-name regular expressions to those (first match
             wins; unmatched layers are 'auto').
         time_budget: K-FAC's work per step as a share of the registered
-            layers' forward and backward work (``> 0``, default 0.1). At the
+            layers' forward and backward work (``> 0``; ``'auto'``, the default:
+            the profile's, 0.1 or 1.25). At the
             first factor-update step kaisa chooses every 'auto' side's
             representation and the intervals left as ``None`` to fit it
             (:mod:`kaisa.curvature.budget`; ``curvature_choice`` holds the
@@ -327,7 +388,8 @@ class KFACOptions:
             so every rank chooses alike), which can differ between runs on
             the same machine when a measurement lands near a rounding step.
         eigenvalue_correction: 'off' (K-FAC's eigenvalue products), 'ekfac'
-            or 'adam'. Layers whose sides have explicit eigenbases (exact
+            or 'adam' (``'auto'``, the default: the profile's, 'off' or
+            'ekfac'). Layers whose sides have explicit eigenbases (exact
             with the eigen method, low-rank: its top ``k`` eigenvectors and
             one entry for the rest, or diagonal) keep ``S``, a running average
             of the squared gradient in the Kronecker eigenbasis refreshed
@@ -341,8 +403,9 @@ class KFACOptions:
             (default 0.99, a window of about 100 steps; on the ViT workload
             0.95 cost 'ekfac' 23% more steps, and on the language model the
             two were level: ``benchmarks/README.md``).
-        eigenbasis_tolerance: ``None`` (default: every inverse update
-            decomposes), or a share in ``[0, 1)``: at an inverse update, an
+        eigenbasis_tolerance: ``'auto'`` (the default: the profile's, ``None``
+            or 0.05; ``None`` under ``compute_method='inverse'``), ``None``
+            (every inverse update decomposes), or a share in ``[0, 1)``: at an inverse update, an
             exact side held with the eigen method keeps its eigenbasis ``Q``
             while ``Q`` still diagonalises the current factor ``F`` to within
             it (``‖offdiag(QᵀFQ)‖_F ≤ tolerance · ‖QᵀFQ‖_F``) and refreshes only
@@ -359,8 +422,10 @@ class KFACOptions:
             the time and took 0–11% fewer steps than inverses every 10 at
             about its step time (``benchmarks/README.md``, session 22; not
             measured on image models).
-        adaptive_intervals: ``False`` (default: the intervals as given or
-            chosen), or ``True``: with ``eigenbasis_tolerance``, the factor
+        adaptive_intervals: ``'auto'`` (the default: the profile's, ``False``
+            or ``True``; ``False`` without a tolerance or with interval
+            schedules), ``False`` (the intervals as given or chosen), or
+            ``True``: with ``eigenbasis_tolerance``, the factor
             and inverse intervals in force are the given (or chosen) ones
             times a multiplier of 1, 2, 4 or 8 that doubles after an inverse
             update at which fewer than 20% of the eigenbases that could be
@@ -402,6 +467,24 @@ class KFACOptions:
             (:class:`kaisa.curvature.costs.CostModel`; the default was
             measured on this project's CPUs: ``benchmarks/cost_weights.py``
             measures them on yours).
+        profile: which values the options left ``'auto'``
+            (:data:`PROFILED_OPTIONS`) take (:data:`PROFILE_DEFAULTS`).
+            'auto' (the default): 'language-model' when the model has an
+            ``nn.Embedding`` (it reads token ids: a decoder, a text encoder,
+            a sequence-to-sequence model), 'general' otherwise
+            (:func:`model_profile`; a :class:`KFACOptions` built without a
+            model takes 'general'). 'general': the intervals and the sides
+            chosen by the budget at ``time_budget=0.1``, no eigenvalue
+            correction. 'language-model': EKFAC (``'ekfac'``) with factors and
+            inverses every 5 steps, ``eigenbasis_tolerance=0.05``,
+            ``adaptive_intervals=True`` and ``time_budget=1.25``: on the
+            suite's language model 436 steps to its target against 770 under
+            'general' (Muon 522, SOAP 484), at 1.44x 'general''s step; the
+            image workloads, which have no embedding, keep 'general'
+            (``benchmarks/README.md``, session 49). Give the profile by
+            name where the token lookup lives elsewhere (a later pipeline
+            stage, a model fed precomputed embeddings); any option given
+            wins over it. ``options.profiled`` lists the options it set.
         process_group: the data-parallel group over which this model's layers
             are replicated (default: the whole world). KAISA's plan, its
             collectives and the agreement check span this group only, so
@@ -410,15 +493,15 @@ class KFACOptions:
             group's members construct it. Gradients must already be averaged
             over the group when ``step()`` runs (as DDP with this group does).
 
-    ``factor_update_steps``, ``inv_update_steps`` and ``factor_decay`` default
-    to ``None``: chosen by the budget (the decay keeps a 200-step averaging
-    window, ``1 − interval/200``). Every numeric hyperparameter may also be a
+    ``factor_decay`` defaults to ``None`` (as do the intervals under the
+    'general' profile): chosen by the budget (the decay keeps a 200-step
+    averaging window, ``1 − interval/200``). Every numeric hyperparameter may also be a
     callable ``f(step) -> value`` (a schedule), read once per step
     (:meth:`resolve`). The instance never changes after construction.
     """
 
-    factor_update_steps: Any = None
-    inv_update_steps: Any = None
+    factor_update_steps: Any = "auto"
+    inv_update_steps: Any = "auto"
     damping: Any = 0.03
     factor_decay: Any = None
     kl_clip: Any = 0.003
@@ -444,15 +527,16 @@ class KFACOptions:
     damping_mode: DampingMode = "relative"
     factor_init: FactorInit = "first_batch"
     curvature: Any = "auto"
-    time_budget: float = 0.1
+    time_budget: Any = "auto"
     calibrate_budget: bool = False
-    eigenvalue_correction: EigenCorrection = "off"
+    eigenvalue_correction: Any = "auto"
     eigenvalue_decay: float = 0.99
-    eigenbasis_tolerance: float | None = None
-    adaptive_intervals: bool = False
+    eigenbasis_tolerance: Any = "auto"
+    adaptive_intervals: Any = "auto"
     stale_refresh: bool = True
     grafting: Grafting = "off"
     cost_model: CostModel = DEFAULT_COST_MODEL
+    profile: Profile = "auto"
     # Derived, validated views.
     hyper: Mapping[str, Hyperparameter] = field(init=False, repr=False, compare=False)
     #: Which of :data:`AUTO_OPTIONS` were left to the automatic choice.
@@ -461,9 +545,48 @@ class KFACOptions:
     curvature_rules: tuple[tuple[str, FixedSides], ...] = field(
         init=False, repr=False, compare=False
     )
+    #: Which of :data:`PROFILED_OPTIONS` took their value from the profile.
+    profiled: frozenset[str] = field(init=False, repr=False, compare=False)
+
+    def _apply_profile(self) -> None:
+        """Give every option left ``'auto'`` the profile's value (``'auto'`` alone: 'general').
+
+        A profile's value yields to what was given: no eigenbasis tolerance
+        with ``compute_method='inverse'`` (its exact sides hold no basis), and
+        no adaptive intervals without a tolerance or with interval schedules.
+        """
+        set_ = object.__setattr__
+        profile = one_of("profile", self.profile, PROFILES)
+        if profile == "auto":  # no model here: KFACPreconditioner resolves it from one
+            profile = "general"
+        set_(self, "profile", profile)
+        values = PROFILE_DEFAULTS[profile]
+        chosen = {name for name in PROFILED_OPTIONS if left_auto(getattr(self, name))}
+        for name in chosen:
+            set_(self, name, values[name])
+        pair = ("factor_update_steps", "inv_update_steps")
+        if values[pair[0]] is not None and len(chosen.intersection(pair)) == 1:
+            # A profile with fixed intervals refreshes the bases at every factor
+            # update: the one left 'auto' takes the one given.
+            left, given = pair if pair[0] in chosen else pair[::-1]
+            set_(self, left, getattr(self, given))
+        if "eigenbasis_tolerance" in chosen and self.compute_method == "inverse":
+            set_(self, "eigenbasis_tolerance", None)
+        scheduled = any(
+            callable(v) or isinstance(v, torch.Tensor)
+            for v in (self.factor_update_steps, self.inv_update_steps)
+        )
+        if (
+            "adaptive_intervals" in chosen
+            and self.adaptive_intervals
+            and (self.eigenbasis_tolerance is None or scheduled)
+        ):
+            set_(self, "adaptive_intervals", False)
+        set_(self, "profiled", frozenset(chosen))
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
+        self._apply_profile()
         set_(self, "auto", frozenset(n for n in AUTO_OPTIONS if getattr(self, n) is None))
         # Placeholders for the automatic ones (never read: see resolve()).
         provisional = {

@@ -50,7 +50,14 @@ from kaisa.engines.base import LossScale
 from kaisa.layers import LayerHandler
 from kaisa.layers.base import Detachable
 from kaisa.layers.registry import Coverage, survey
-from kaisa.options import REFERENCE_DEFAULTS, KFACOptions, StepHyper
+from kaisa.options import (
+    REFERENCE_DEFAULTS,
+    KFACOptions,
+    StepHyper,
+    left_auto,
+    model_profile,
+    token_embeddings,
+)
 from kaisa.roster import Layer, Roster
 from kaisa.telemetry import Telemetry
 from kaisa.views import RegisteredLayer
@@ -120,9 +127,13 @@ class KFACPreconditioner(StateDictOnly):
             KL clipping (on by default) needs ``optimizer=`` (its current
             learning rate is read at every step) or ``lr=``.
 
-    ``factor_update_steps``, ``inv_update_steps`` and ``factor_decay`` default
-    to ``None``: chosen by the budget (the decay keeps a 200-step averaging
-    window, ``1 − interval/200``). Every numeric hyperparameter may also be a
+    The intervals, ``time_budget``, ``eigenvalue_correction``,
+    ``eigenbasis_tolerance`` and ``adaptive_intervals`` default to ``'auto'``:
+    the values of the model's ``profile`` ('language-model' when it has an
+    ``nn.Embedding``, else 'general'; :data:`kaisa.options.PROFILE_DEFAULTS`).
+    ``factor_decay`` defaults to ``None``, as do the intervals under 'general':
+    chosen by the budget (the decay keeps a 200-step averaging window,
+    ``1 − interval/200``). Every numeric hyperparameter may also be a
     callable ``f(step) -> value``. The published KAISA implementation's
     defaults are one switch away: :meth:`with_reference_defaults`.
     """
@@ -131,8 +142,8 @@ class KFACPreconditioner(StateDictOnly):
         self,
         model: nn.Module,
         *,
-        factor_update_steps: int | Callable[[int], int] | None = None,
-        inv_update_steps: int | Callable[[int], int] | None = None,
+        factor_update_steps: int | Callable[[int], int] | str | None = "auto",
+        inv_update_steps: int | Callable[[int], int] | str | None = "auto",
         damping: float | Callable[[int], float] = 0.03,
         factor_decay: float | Callable[[int], float] | None = None,
         kl_clip: float | Callable[[int], float] | None = 0.003,
@@ -158,15 +169,16 @@ class KFACPreconditioner(StateDictOnly):
         damping_mode: str = "relative",
         factor_init: str = "first_batch",
         curvature: str | tuple[str, str] | Mapping[str, str | tuple[str, str]] = "auto",
-        time_budget: float = 0.1,
+        time_budget: float | str = "auto",
         calibrate_budget: bool = False,
-        eigenvalue_correction: str = "off",
+        eigenvalue_correction: str = "auto",
         eigenvalue_decay: float = 0.99,
-        eigenbasis_tolerance: float | None = None,
-        adaptive_intervals: bool = False,
+        eigenbasis_tolerance: float | str | None = "auto",
+        adaptive_intervals: bool | str = "auto",
         stale_refresh: bool = True,
         grafting: str = "off",
         cost_model: CostModel = DEFAULT_COST_MODEL,
+        profile: str = "auto",
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -176,11 +188,29 @@ class KFACPreconditioner(StateDictOnly):
         grad_access = select_engine(model)
         accumulation_steps = grad_access.accumulation_steps(accumulation_steps)
         grad_scaler = grad_access.grad_scaler(grad_scaler)
-        # Every argument but the model and the group is an option, checked there.
+        # Every argument but the model and the group is an option, checked there;
+        # the profile left 'auto' is read from the model (its token lookups).
         given = locals()
+        if left_auto(profile):
+            given["profile"] = model_profile(model)
         self.options = options = KFACOptions(
             **{f.name: given[f.name] for f in dataclasses.fields(KFACOptions) if f.init}
         )
+        if options.profiled:
+            lookups = token_embeddings(model) if given["profile"] != profile else []
+            why = (
+                f" (the model has nn.Embedding {', '.join(lookups[:3])})"
+                if lookups
+                else " (the model has no nn.Embedding)"
+                if given["profile"] != profile
+                else ""
+            )
+            log.info(
+                "kaisa: profile %r%s: %s",
+                options.profile,
+                why,
+                ", ".join(f"{n}={getattr(options, n)!r}" for n in sorted(options.profiled)),
+            )
         surveyed = survey(model, options.skip_layers, conv_estimator=options.conv_factor_estimator)
         for message in surveyed.warnings:
             warn(message, UserWarning)
@@ -350,7 +380,11 @@ class KFACPreconditioner(StateDictOnly):
     def _report_uncorrected(self) -> None:
         """Warn once when the eigenvalue correction leaves layers out (never silently)."""
         message = self._roster.uncorrected_message()
-        if message is not None and self._watch.once("uncorrected"):
+        if message is None or not self._watch.once("uncorrected"):
+            return
+        if "eigenvalue_correction" in self.options.profiled:
+            log.info("%s", message)  # the profile's choice, not the user's: reported, not warned
+        else:
             warn(message)
 
     def _reopen_choice(self) -> None:

@@ -369,10 +369,12 @@ def test_demo_on_the_language_model(
         assert arm["steps_to_target"] == arm["per_seed"][0]["steps_to_target"] < 24
         assert arm["hyperparameters"]["lr"] == _demo_lr(name)
     assert results["comparisons"]["kaisa-adamw"]["vs_base"]["arm"] == "adamw"
-    # No adaptive_intervals; stale_refresh (on by default) says how often it found
-    # the curvature stale.
+    # The language-model profile's adaptive intervals (their multiplier and its
+    # changes), and stale_refresh (on by default): how often it found the
+    # curvature stale.
     stretch = results["arms"]["kaisa-adamw"]["interval_stretch"]
-    assert set(stretch) == {"stale_refreshes"} and stretch["stale_refreshes"] >= 0
+    assert set(stretch) == {"factor", "changes", "stale_refreshes"}
+    assert stretch["factor"] in (1, 2, 4, 8) and stretch["stale_refreshes"] >= 0
     with (out / "gpt" / "evaluations.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert {r["arm"] for r in rows} == {"adamw", "kaisa-adamw"}
@@ -481,8 +483,16 @@ def test_steps_probe_runs_any_arm_on_the_language_model(
     assert rows[0]["kfac_s"] == 0.0 and 0 < rows[1]["kfac_s"] < rows[1]["train_s"]
     # With stale_refresh (the default) the row counts the refreshes and the stale ones.
     assert rows[1]["side_refreshes"] > 0 and rows[1]["stale_refreshes"] >= 0
-    assert "kept_eigenbases" not in rows[1] and "stale_refreshes" not in rows[0]
-    # With eigenbasis_tolerance the row counts the refreshes and the bases kept
+    assert "stale_refreshes" not in rows[0]
+    # The language-model profile (the default on gpt) keeps bases within a tolerance
+    # and stretches the intervals: the row counts the bases kept and the multiplier.
+    assert 0 <= rows[1]["kept_eigenbases"] <= rows[1]["side_refreshes"]
+    assert rows[1]["interval_stretch"] in (1, 2, 4, 8)
+    # The 'general' profile has neither.
+    general = _probe_rows(probe, corpus_dir, tmp_path / "general.jsonl", "kaisa-adamw",
+                          ["--kfac", '{"profile": "general"}'])[0]  # fmt: skip
+    assert "kept_eigenbases" not in general and "interval_stretch" not in general
+    # With eigenbasis_tolerance given the row counts the refreshes and the bases kept
     # (and with adaptive_intervals the intervals' multiplier at the end).
     kfac = (
         '{"curvature": "exact", "factor_update_steps": 1, "inv_update_steps": 1, '
@@ -495,7 +505,6 @@ def test_steps_probe_runs_any_arm_on_the_language_model(
     last = json.loads(out.read_text().splitlines()[-1])
     assert last["side_refreshes"] > 0 and 0 <= last["kept_eigenbases"] <= last["side_refreshes"]
     assert last["interval_stretch"] in (1, 2, 4, 8) and last["interval_changes"] >= 0
-    assert "interval_stretch" not in rows[1]
     assert 0 < last["kfac_s"] < last["train_s"]
     with pytest.raises(SystemExit):
         probe.main(["--workload", "gpt", "--arm", "adamw", "--kfac", '{"damping": 0.1}',

@@ -189,7 +189,7 @@ def test_a_tied_weight_is_corrected_in_its_summed_curvature_and_nothing_is_said(
             "head",
         ]
         pre.remove_hooks()
-    off = kaisa.KFACPreconditioner(_Tied(), **OPTIONS)
+    off = kaisa.KFACPreconditioner(_Tied(), eigenvalue_correction="off", **OPTIONS)
     assert not any(layer.corrected for layer in off.layers)
     off.remove_hooks()
 

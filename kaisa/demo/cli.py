@@ -35,6 +35,7 @@ from kaisa.choices import (
     EIGEN_CORRECTIONS,
     FACTOR_INITS,
     NAMED_FRACTIONS,
+    PROFILES,
 )
 from kaisa.demo.config import (
     ADAMW_WEIGHT_DECAY,
@@ -313,6 +314,7 @@ def _library_default(name: str) -> str:
     shown = "the library's"
     try:
         from kaisa import KFACPreconditioner
+        from kaisa.options import PROFILED_OPTIONS
 
         default = inspect.signature(KFACPreconditioner).parameters[name].default
     except (ImportError, KeyError, TypeError, ValueError):  # pragma: no cover - defensive
@@ -321,6 +323,8 @@ def _library_default(name: str) -> str:
         return shown
     if default is None:
         return f"{shown}, chosen automatically"
+    if default == "auto" and name in PROFILED_OPTIONS:
+        return f"{shown}, the model's profile's"
     return f"{shown}, {_show(default)}"
 
 
@@ -388,6 +392,12 @@ _KFAC_OPTIONS: _Options = {
         "the share of each layer call's rows (tokens; a convolution's examples) the factor "
         "products multiply out, drawn anew at every factor update (1: every row)",
         {"type": _share},
+    ),
+    "--profile": (
+        "which defaults the kaisa options not given here take: 'language-model' (EKFAC, "
+        "intervals 5/5 that stretch, --time-budget 1.25), 'general', or 'auto' (the "
+        "model's: 'language-model' when it has an nn.Embedding)",
+        {"choices": PROFILES},
     ),
     "--time-budget": (
         "the automatic choice's allowance: K-FAC's work per step at most this many times "

@@ -332,6 +332,7 @@ class KfacConfig:
     stale_refresh: bool | None = None
     time_budget: float | None = None
     factor_sample: float | None = None
+    profile: str | None = None
 
     def overrides(self) -> dict[str, Any]:
         """Keyword arguments for ``KFACPreconditioner``: the fields that are set."""

@@ -102,6 +102,7 @@ _PLAIN = (
     "update_factors_in_hook",
     "conv_factor_estimator",
     "factor_sample",
+    "profile",
 )
 
 

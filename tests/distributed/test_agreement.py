@@ -30,7 +30,7 @@ from kaisa.distributed.agreement import (
     header,
 )
 from kaisa.distributed.plan import LayerShape, make_plan
-from kaisa.options import KFACOptions
+from kaisa.options import PROFILE_DEFAULTS, KFACOptions
 
 
 def _model(width: int = 4) -> nn.Module:
@@ -165,6 +165,7 @@ def test_digest_records_what_must_agree() -> None:
         "adaptive_intervals",
         "factor_sample",
         "inv_dtype",
+        "profile",
     ):
         assert key in digest
 
@@ -193,6 +194,14 @@ def test_digest_is_deterministic_and_sensitive() -> None:
     ):
         assert header(other).tolist() != header(base).tolist()
         assert differences([base, other])
+    # The profile alone makes a difference (a rank whose model has no embedding,
+    # say), named as such beside the options it set.
+    profiled = _digest(profile="language-model")
+    named = dict(differences([base, profiled]))
+    assert "profile" in named and "eigenvalue_correction" in named
+    # The same options given explicitly under the other profile still differ by it.
+    explicit = _digest(profile="general", **PROFILE_DEFAULTS["language-model"])
+    assert dict(differences([explicit, profiled])).keys() == {"profile"}
     # adaptive_intervals alone makes a difference.
     tolerant = _digest(eigenbasis_tolerance=0.05)
     adaptive = _digest(eigenbasis_tolerance=0.05, adaptive_intervals=True)

@@ -236,6 +236,10 @@ def test_a_tiny_hf_model_trains_and_is_preconditioned_but_for_what_a_warning_nam
         warnings.simplefilter("always")
         pre = kaisa.KFACPreconditioner(model, optimizer=optimizer)
     messages = [str(w.message) for w in caught if "kaisa" in str(w.message)]
+    # Token models take the language-model profile (EKFAC, 5/5, ...), images 'general'.
+    image = name in ("convnext", "vit")
+    assert pre.options.profile == ("general" if image else "language-model")
+    assert pre.options.eigenvalue_correction == ("off" if image else "ekfac")
     coverage = pre.coverage()
     listing = str(coverage)
     params = dict(model.named_parameters())

@@ -86,6 +86,7 @@ def test_embedding_takes_the_steps_of_a_one_hot_linear_with_diagonal_a(g_side: s
     net = EmbedNet().double()
     ref = OneHotNet(net).double()
     common = dict(factor_update_steps=1, inv_update_steps=1, inv_dtype=torch.float64, lr=0.1)
+    common["profile"] = "general"  # both models alike (the reference has no embedding)
     pre = kaisa.KFACPreconditioner(
         net, curvature={"emb": ("auto", g_side), "head": "exact"}, **common
     )
