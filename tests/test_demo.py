@@ -1059,3 +1059,7 @@ def test_the_summary_names_kaisas_automatic_choice() -> None:
         "no automatic choice, intervals as given (adaptive_intervals: x2 at the end, 1 change(s))"
     )
     assert _choice_text({}) == ""
+    # The profile the options left 'auto' took, first.
+    row["profile"] = "language-model"
+    assert _choice_text(row).startswith("profile language-model: factors/inverses every 80/100")
+    assert _choice_text({"profile": "general"}) == ""

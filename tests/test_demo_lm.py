@@ -385,6 +385,8 @@ def test_demo_on_the_language_model(
     assert [(r["workload"], r["arm"], r["metric"]) for r in summary["rows"]] == [
         ("gpt", "adamw", "val_loss"), ("gpt", "kaisa-adamw", "val_loss")]  # fmt: skip
     assert summary["workloads"]["gpt"]["target"] == 4.5
+    assert summary["rows"][1]["profile"] == "language-model"  # the model's, taken by default
+    assert "AdamW + KAISA: profile language-model: " in (out / "summary.md").read_text()
     assert "gpt validation loss <= 4.50 nats/byte in 24 steps" in (out / "summary.md").read_text()
 
 

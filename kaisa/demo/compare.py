@@ -382,6 +382,7 @@ def summarize_suite(
                 row["kfac_phase_seconds"] = arm["kfac_phase_seconds"]
                 row["curvature_choice"] = arm.get("curvature_choice") or {}
                 row["interval_stretch"] = arm.get("interval_stretch") or {}
+                row["profile"] = (arm.get("kfac_options") or {}).get("profile")
             rows.append(row)
     return {
         "rows": rows,

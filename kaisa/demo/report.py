@@ -435,8 +435,10 @@ def _choice_text(row: dict[str, Any]) -> str:
     )
     if "stale_refreshes" in stretch:
         stretched += f" (stale_refresh: stale {stretch['stale_refreshes']} time(s))"
+    profile = f"profile {row['profile']}: " if row.get("profile") else ""
     if not choice:
-        return f"no automatic choice, intervals as given{stretched}" if stretched else ""
+        given = f"no automatic choice, intervals as given{stretched}" if stretched else ""
+        return f"{profile}{given}" if given else ""
     held = [
         f"{name} {a}/{g}"
         for name, (a, g) in choice.get("specs", {}).items()
@@ -444,7 +446,7 @@ def _choice_text(row: dict[str, Any]) -> str:
     ]
     share = float(choice.get("kfac_work", 0.0)) / max(float(choice.get("training_work", 1)), 1e-30)
     return (
-        f"factors/inverses every {choice.get('factor_update_steps')}/"
+        f"{profile}factors/inverses every {choice.get('factor_update_steps')}/"
         f"{choice.get('inv_update_steps')} steps{stretched}, modelled share {share:.3f}"
         + (
             f", budget scaled by the clock {float(choice.get('time_scale', 1.0)):.3g}x"
