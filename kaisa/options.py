@@ -479,12 +479,16 @@ class KFACOptions:
             inverses every 5 steps, ``eigenbasis_tolerance=0.05``,
             ``adaptive_intervals=True`` and ``time_budget=1.25``: on the
             suite's language model 436 steps to its target against 770 under
-            'general' (Muon 522, SOAP 484), at 1.44x 'general''s step; the
-            image workloads, which have no embedding, keep 'general'
-            (``benchmarks/README.md``, session 49). Give the profile by
+            'general' (Muon 522, SOAP 484), 1.11x Muon's time against 1.35x;
+            on HuggingFace's GPT-2 and Llama, on which no choice was made,
+            410 and 312 steps; the image workloads, which have no embedding,
+            keep 'general' (``benchmarks/README.md``, session 49). Give the profile by
             name where the token lookup lives elsewhere (a later pipeline
-            stage, a model fed precomputed embeddings); any option given
-            wins over it. ``options.profiled`` lists the options it set.
+            stage, a model fed precomputed embeddings; under a
+            ``process_group`` smaller than the world, 'general' read from the
+            model is warned, since another stage may hold the lookup); any
+            option given wins over it. ``options.profiled`` lists the options
+            it set.
         process_group: the data-parallel group over which this model's layers
             are replicated (default: the whole world). KAISA's plan, its
             collectives and the agreement check span this group only, so

@@ -240,6 +240,7 @@ class KFACPreconditioner(StateDictOnly):
         #: The data-parallel group KAISA plans over (``None``: the whole world).
         self.process_group = data_parallel_group(grad_access.process_group(process_group))
         self.rank, self.world_size = default_world(self.process_group)
+        self._warn_partial_profile(read=left_auto(profile))
         first_weight = found[0][1].weight
         self.device = first_weight.device
         self.factor_dtype, self.inv_dtype, self.product_dtype = options.dtypes(first_weight.dtype)
@@ -322,6 +323,25 @@ class KFACPreconditioner(StateDictOnly):
             self.world_size,
             self.plan.grad_workers,
         )
+
+    def _warn_partial_profile(self, read: bool) -> None:
+        """Warn when 'general' was read from what may be one stage of a language model.
+
+        Under a data-parallel group smaller than the world (pipeline stages,
+        model-parallel shards), this rank's module may be a part of the model
+        whose token lookup sits on another stage, which would read another profile.
+        """
+        if not read or self.options.profile != "general" or self.process_group is None:
+            return
+        total = default_world()[1]
+        if self.world_size < total:
+            warn(
+                f"kaisa: profile 'general' was read from this rank's part of the model, "
+                f"which has no nn.Embedding, while process_group spans {self.world_size} of "
+                f"the {total} ranks: if it is a pipeline stage or shard of a language model "
+                "whose token lookup lives elsewhere, give profile='language-model' on every "
+                "stage (profile='general' says the default was meant)"
+            )
 
     @classmethod
     def with_reference_defaults(cls, model: nn.Module, **kwargs: Any) -> KFACPreconditioner:

@@ -14,6 +14,8 @@ a process group, is refused.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -160,3 +162,48 @@ def test_a_process_outside_the_group_is_refused() -> None:
 def test_process_group_must_be_a_process_group() -> None:
     with pytest.raises(TypeError, match=r"process_group must be a torch\.distributed"):
         kaisa.KFACPreconditioner(Net(), lr=0.1, process_group="dp")  # type: ignore[arg-type]
+
+
+class _Stage0(nn.Module):
+    """A language model's first pipeline stage: its token lookup and one layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 4)
+        self.fc = nn.Linear(4, 4)
+
+
+def _profiles(rank: int, world_size: int) -> list[tuple[str, list[str]]]:
+    # Two stages of one model, each its own data-parallel group of one rank.
+    groups = [dist.new_group([r]) for r in range(world_size)]
+    group = groups[rank]
+    out = []
+    for build, options in (
+        (_Stage0 if rank == 0 else Net, {}),
+        (Net, {"profile": "general"}),
+        (Net, {"profile": "language-model"}),
+    ):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pre = kaisa.KFACPreconditioner(build(), lr=0.1, process_group=group, **options)
+        out.append(
+            (pre.options.profile, [str(w.message) for w in caught if "profile" in str(w.message)])
+        )
+        pre.remove_hooks()
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_general_profile_read_from_a_part_of_the_world_is_warned() -> None:
+    # Stage 0 has the lookup and reads 'language-model'; stage 1 reads 'general'
+    # from its part alone, which another stage's lookup may contradict: warned,
+    # naming the way out. A profile given by name is not warned.
+    stage0, stage1 = run_distributed(_profiles, 2, timeout=90)
+    assert stage0[0] == ("language-model", [])
+    profile, said = stage1[0]
+    assert profile == "general" and len(said) == 1
+    assert "process_group spans 1 of the 2 ranks" in said[0]
+    assert "profile='language-model' on every stage" in said[0]
+    for results in (stage0, stage1):
+        assert results[1] == ("general", []) and results[2] == ("language-model", [])
