@@ -231,3 +231,33 @@ def test_the_demo_offers_the_profiles() -> None:
     assert tuple(action.choices) == choices.PROFILES
     args = demo_parser().parse_args(["--profile", "general"])
     assert args.profile == "general"
+
+
+def test_a_checkpoint_from_the_general_profile_loads_under_the_language_models() -> None:
+    # A language model's checkpoint written under the old defaults ('general'):
+    # the new defaults load it with a warning (the correction starts afresh);
+    # profile='general' resumes it exactly, with nothing said.
+    def built(**options: object) -> tuple[GPT, kaisa.KFACPreconditioner]:
+        torch.manual_seed(0)
+        model = _tiny_gpt()
+        return model, kaisa.KFACPreconditioner(model, lr=0.1, **options)
+
+    model, pre = built(profile="general")
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 31, (4, 9), generator=g)
+        model.zero_grad()
+        nn.functional.cross_entropy(
+            model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()
+        ).backward()
+        pre.step()
+    state = pre.state_dict()
+    _, default = built()
+    with pytest.warns(RuntimeWarning, match="eigenvalue_correction='off'"):
+        default.load_state_dict(state)
+    assert default.inverse_update_due
+    _, resumed = built(profile="general")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed.load_state_dict(state)
+    assert resumed.steps == 3
