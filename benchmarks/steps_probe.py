@@ -44,7 +44,11 @@ by ``√d`` and tied to the head; 626,560 parameters; ``model`` ``'hf-gemma'``),
 and ``--hf-opt`` with ``OPTForCausalLM`` (d 128, 3 layers, 4 heads, ReLU MLP
 512 wide, pre-LayerNorm, learned positions looked up by their own
 ``forward`` from the attention mask, its head tied to the token embedding;
-``model`` ``'hf-opt'``).
+``model`` ``'hf-opt'``), and ``--hf-bert`` with ``BertLMHeadModel`` as a
+causal LM (``is_decoder=True``; d 128, 3 post-LayerNorm layers, 4 heads,
+GELU MLP 512 wide, learned positions and a token-type embedding, a
+transform before the head tied to the token embedding; ``model``
+``'hf-bert'``): an encoder's architecture under the workload's objective.
 
 ``--behind muon`` (the kaisa arms only) puts kaisa in front of the Muon
 arm's optimizer instead of the arm's own: ``torch.optim.Muon`` on the hidden
@@ -240,6 +244,24 @@ def hf_opt(
     )  # fmt: skip
 
 
+def hf_bert(
+    name: str, image_shape: tuple[int, int, int] | None = None, *, context: int | None = None
+) -> torch.nn.Module:
+    """transformers' BERT of about the demo ``gpt``'s size, as a causal LM, in place of its GPT.
+
+    BERT's architecture (post-LayerNorm blocks, learned positions, a token-type
+    embedding, a transform before the head tied to the token embedding) as
+    ``BertLMHeadModel`` with ``is_decoder=True`` runs it, causally masked: the
+    workload's objective on an encoder's layers, not masked-token training.
+    """
+    return _hf_lm(
+        "--hf-bert", name, context, "BertLMHeadModel", "BertConfig",
+        hidden_size=128, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, is_decoder=True,
+        pad_token_id=0,
+    )  # fmt: skip
+
+
 #: ``kaisa demo`` options that ``--demo-args`` may not give: the probe sets them
 #: (workload, arm, rate, threads, data, output, one process) or loops over them (seeds).
 PROBE_SETS = frozenset(
@@ -258,6 +280,7 @@ MODELS: dict[str, tuple[Any, tuple[str, Any]]] = {
     "--hf-llama": (hf_llama, ("model", "hf-llama")),
     "--hf-gemma": (hf_gemma, ("model", "hf-gemma")),
     "--hf-opt": (hf_opt, ("model", "hf-opt")),
+    "--hf-bert": (hf_bert, ("model", "hf-bert")),
 }
 
 
@@ -314,6 +337,11 @@ def main(argv: list[str] | None = None, variant: str | None = None) -> int:
     )
     p.add_argument(
         "--hf-opt", action="store_true", help="gpt only: HuggingFace's OPT of about its size"
+    )
+    p.add_argument(
+        "--hf-bert",
+        action="store_true",
+        help="gpt only: HuggingFace's BERT of about its size, causally masked",
     )
     p.add_argument(
         "--demo-args",

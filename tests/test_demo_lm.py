@@ -562,7 +562,13 @@ def test_steps_probe_swaps_in_the_tied_zero_head_and_huggingface_models_for_its_
         opt = probe.hf_opt("gpt", context=16)
         assert opt(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 256)
         assert opt.lm.lm_head.weight is opt.lm.model.decoder.embed_tokens.weight
-        runs += [["--hf-gpt2"], ["--hf-llama"], ["--hf-gemma"], ["--hf-opt"]]
+        bert = probe.hf_bert("gpt", context=16)
+        assert bert(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 256)
+        assert (
+            bert.lm.cls.predictions.decoder.weight is bert.lm.bert.embeddings.word_embeddings.weight
+        )
+        assert bert.lm.config.is_decoder
+        runs += [["--hf-gpt2"], ["--hf-llama"], ["--hf-gemma"], ["--hf-opt"], ["--hf-bert"]]
     for flags in runs:
         code = probe.main(["--workload", "gpt", "--arm", "kaisa-adamw", "--seeds", "0",
                            "--max-steps", "3", "--text-dir", str(corpus_dir), "--out", str(out),
@@ -578,6 +584,7 @@ def test_steps_probe_swaps_in_the_tied_zero_head_and_huggingface_models_for_its_
         assert rows[3]["model"] == "hf-llama" and "tied_head" not in rows[3]
         assert rows[4]["model"] == "hf-gemma" and "tied_head" not in rows[4]
         assert rows[5]["model"] == "hf-opt" and "tied_head" not in rows[5]
+        assert rows[6]["model"] == "hf-bert" and "tied_head" not in rows[6]
     for r in rows:
         assert r["stopped_at"] == 3 and math.isfinite(r["last"])
     for bad in (["--workload", "vit", "--arm", "adamw", "--tied-head"],
@@ -587,7 +594,7 @@ def test_steps_probe_swaps_in_the_tied_zero_head_and_huggingface_models_for_its_
         with pytest.raises(SystemExit):
             probe.main([*bad, "--out", str(out)])
     builders = (probe.tied_gpt, probe.zero_head_gpt, probe.hf_gpt2, probe.hf_llama,
-                probe.hf_gemma, probe.hf_opt)  # fmt: skip
+                probe.hf_gemma, probe.hf_opt, probe.hf_bert)  # fmt: skip
     for build in builders:
         with pytest.raises(ValueError, match="gpt workload"):
             build("vit", context=16)
