@@ -96,7 +96,27 @@ def model_profile(model: nn.Module) -> Profile:
 
 
 def left_auto(value: object) -> bool:
+    """Whether an option was left ``'auto'`` (the profile's, or the model's profile)."""
     return isinstance(value, str) and value == "auto"
+
+
+def profile_report(options: KFACOptions, read_from: nn.Module | None) -> str | None:
+    """The line saying which profile set which options, and why (``None``: it set none).
+
+    ``read_from``: the model the profile was read from (``None``: it was named).
+    """
+    if not options.profiled:
+        return None
+    why = ""
+    if read_from is not None:
+        lookups = token_embeddings(read_from)
+        why = (
+            f" (the model has nn.Embedding {', '.join(lookups[:3])})"
+            if lookups
+            else " (the model has no nn.Embedding)"
+        )
+    values = ", ".join(f"{n}={getattr(options, n)!r}" for n in sorted(options.profiled))
+    return f"kaisa: profile {options.profile!r}{why}: {values}"
 
 
 #: The published KAISA implementation's defaults (spec §1, §3, §4), for

@@ -56,7 +56,7 @@ from kaisa.options import (
     StepHyper,
     left_auto,
     model_profile,
-    token_embeddings,
+    profile_report,
 )
 from kaisa.roster import Layer, Roster
 from kaisa.telemetry import Telemetry
@@ -191,26 +191,15 @@ class KFACPreconditioner(StateDictOnly):
         # Every argument but the model and the group is an option, checked there;
         # the profile left 'auto' is read from the model (its token lookups).
         given = locals()
-        if left_auto(profile):
+        read = left_auto(profile)
+        if read:
             given["profile"] = model_profile(model)
         self.options = options = KFACOptions(
             **{f.name: given[f.name] for f in dataclasses.fields(KFACOptions) if f.init}
         )
-        if options.profiled:
-            lookups = token_embeddings(model) if given["profile"] != profile else []
-            why = (
-                f" (the model has nn.Embedding {', '.join(lookups[:3])})"
-                if lookups
-                else " (the model has no nn.Embedding)"
-                if given["profile"] != profile
-                else ""
-            )
-            log.info(
-                "kaisa: profile %r%s: %s",
-                options.profile,
-                why,
-                ", ".join(f"{n}={getattr(options, n)!r}" for n in sorted(options.profiled)),
-            )
+        said = profile_report(options, model if read else None)
+        if said is not None:
+            log.info("%s", said)
         surveyed = survey(model, options.skip_layers, conv_estimator=options.conv_factor_estimator)
         for message in surveyed.warnings:
             warn(message, UserWarning)
@@ -240,7 +229,7 @@ class KFACPreconditioner(StateDictOnly):
         #: The data-parallel group KAISA plans over (``None``: the whole world).
         self.process_group = data_parallel_group(grad_access.process_group(process_group))
         self.rank, self.world_size = default_world(self.process_group)
-        self._warn_partial_profile(read=left_auto(profile))
+        self._warn_partial_profile(read)
         first_weight = found[0][1].weight
         self.device = first_weight.device
         self.factor_dtype, self.inv_dtype, self.product_dtype = options.dtypes(first_weight.dtype)
