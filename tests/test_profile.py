@@ -110,12 +110,15 @@ def test_options_given_win_over_the_profile_one_by_one() -> None:
         assert getattr(pre.options, name) == value
         assert name not in pre.options.profiled
         others = {n: v for n, v in _resolved(pre).items() if n != name}
-        paired = {"factor_update_steps": "inv_update_steps", "inv_update_steps": None}
         expected = {n: LM[n] for n in others}
-        if name == "factor_update_steps":  # the inverse interval follows the given one
-            expected[paired[name]] = value
-        if name == "inv_update_steps":
-            expected["factor_update_steps"] = value
+        # An interval left 'auto' follows the one given (bases refreshed at each
+        # factor update, as the profile's own 5/5).
+        twin = {
+            "factor_update_steps": "inv_update_steps",
+            "inv_update_steps": "factor_update_steps",
+        }
+        if name in twin:
+            expected[twin[name]] = value
         assert others == expected, name
     # None still means "chosen by the budget", under either profile.
     pre = kaisa.KFACPreconditioner(
