@@ -264,3 +264,54 @@ def test_a_checkpoint_from_the_general_profile_loads_under_the_language_models()
         warnings.simplefilter("error")
         resumed.load_state_dict(state)
     assert resumed.steps == 3
+
+
+def test_the_language_model_profile_survives_the_loops_people_write() -> None:
+    # The profile's options (EKFAC, kept bases, stretched intervals) under what
+    # the 'general' defaults are tested under elsewhere: a frozen token
+    # embedding, accumulation over two passes, a discarded batch, an evaluation
+    # between steps and a gradient penalty through create_graph.
+    torch.manual_seed(0)
+    model = _tiny_gpt()
+    model.tok_embed.weight.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    pre = kaisa.KFACPreconditioner(model, optimizer=optimizer, accumulation_steps=2)
+    assert pre.options.profile == "language-model"
+    g = torch.Generator().manual_seed(1)
+
+    def loss_of(ids: torch.Tensor) -> torch.Tensor:
+        logits = model(ids[:, :-1])
+        return nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+    math = torch.nn.attention.SDPBackend.MATH
+    for step in range(24):
+        optimizer.zero_grad()
+        for _ in range(2):
+            if step % 6 == 5:  # a gradient penalty on the trainable weights
+                # (double backward through attention needs SDPA's math kernel on a CPU)
+                with torch.nn.attention.sdpa_kernel(math):
+                    loss = loss_of(torch.randint(0, 31, (4, 9), generator=g)) / 2
+                    params = [p for p in model.parameters() if p.requires_grad]
+                    grads = torch.autograd.grad(loss, params, create_graph=True)
+                    loss = loss + 0.01 * sum(q.pow(2).sum() for q in grads)
+                    loss.backward()
+                continue
+            loss_of(torch.randint(0, 31, (4, 9), generator=g)).div(2).backward()
+        if step == 7:  # a batch thrown away after its backward passes
+            pre.discard_captures()
+            continue
+        pre.step()
+        optimizer.step()
+        if step % 8 == 3:  # an evaluation between steps
+            model.eval()
+            with torch.no_grad():
+                loss_of(torch.randint(0, 31, (4, 9), generator=g))
+            model.train()
+    assert pre.steps == 23
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert pre.telemetry.kept_eigenbases >= 0 and pre.interval_stretch in (1, 2, 4, 8)
+    assert model.tok_embed.weight.grad is None  # frozen: never written
+    names = [layer.name for layer in pre.layers]
+    assert "tok_embed" not in names and "pos_embed" in names
+    assert all(layer.block.updates >= 1 for layer in pre.layers)  # every layer's curvature
+    assert any(layer.corrected for layer in pre.layers)
