@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from kaisa.choices import (
     ASSIGNMENT_STRATEGIES,
@@ -37,6 +36,7 @@ from kaisa.curvature.budget import MIN_FACTOR_STEPS, MIN_INV_STEPS
 from kaisa.curvature.costs import DEFAULT_COST_MODEL, CostModel, SideSpec, check_cost_model
 from kaisa.distributed.fraction import parse_bytes
 from kaisa.distributed.plan import FractionSpec, resolve_grad_workers
+from kaisa.profiles import PROFILE_DEFAULTS, PROFILED_OPTIONS, left_auto
 from kaisa.schedules import Hyperparameter
 from kaisa.validation import Rule, check_dtype, check_flag, check_number, one_of
 
@@ -45,79 +45,6 @@ AUTO_OPTIONS = ("factor_update_steps", "inv_update_steps", "factor_decay")
 #: The averaging window of the factors, in steps, that the automatic
 #: ``factor_decay`` keeps whatever the factor interval: ``1 − interval / window``.
 DECAY_WINDOW_STEPS = 200.0
-
-#: The options whose default, ``'auto'``, takes its value from the profile.
-PROFILED_OPTIONS = (
-    "factor_update_steps",
-    "inv_update_steps",
-    "time_budget",
-    "eigenvalue_correction",
-    "eigenbasis_tolerance",
-    "adaptive_intervals",
-)
-#: What each profile gives the options left ``'auto'`` (see ``profile``).
-#: 'general' is kaisa's configuration for every model; 'language-model' the
-#: one that took the fewest steps on the suite's language model and on
-#: HuggingFace's GPT-2, Llama and OPT (``docs/language-models.md``).
-PROFILE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "general": {
-        "factor_update_steps": None,
-        "inv_update_steps": None,
-        "time_budget": 0.1,
-        "eigenvalue_correction": "off",
-        "eigenbasis_tolerance": None,
-        "adaptive_intervals": False,
-    },
-    "language-model": {
-        "factor_update_steps": 5,
-        "inv_update_steps": 5,
-        "time_budget": 1.25,
-        "eigenvalue_correction": "ekfac",
-        "eigenbasis_tolerance": 0.05,
-        "adaptive_intervals": True,
-    },
-}
-
-
-def token_embeddings(model: nn.Module) -> list[str]:
-    """The names of the model's ``nn.Embedding`` modules (its token lookups)."""
-    return [name or "<model>" for name, m in model.named_modules() if isinstance(m, nn.Embedding)]
-
-
-def model_profile(model: nn.Module) -> Profile:
-    """``profile='auto'`` for ``model``: 'language-model' if it looks up tokens, else 'general'.
-
-    A model with an ``nn.Embedding`` (or a subclass: HuggingFace's scaled and
-    learned-position embeddings) reads token ids, as a language model, an
-    encoder of text or a sequence-to-sequence model does; vision models (CNNs,
-    ViTs with their patches and position parameters) have none.
-    """
-    return "language-model" if token_embeddings(model) else "general"
-
-
-def left_auto(value: object) -> bool:
-    """Whether an option was left ``'auto'`` (the profile's, or the model's profile)."""
-    return isinstance(value, str) and value == "auto"
-
-
-def profile_report(options: KFACOptions, read_from: nn.Module | None) -> str | None:
-    """The line saying which profile set which options, and why (``None``: it set none).
-
-    ``read_from``: the model the profile was read from (``None``: it was named).
-    """
-    if not options.profiled:
-        return None
-    why = ""
-    if read_from is not None:
-        lookups = token_embeddings(read_from)
-        why = (
-            f" (the model has nn.Embedding {', '.join(lookups[:3])})"
-            if lookups
-            else " (the model has no nn.Embedding)"
-        )
-    values = ", ".join(f"{n}={getattr(options, n)!r}" for n in sorted(options.profiled))
-    return f"kaisa: profile {options.profile!r}{why}: {values}"
-
 
 #: The published KAISA implementation's defaults (spec §1, §3, §4), for
 #: :meth:`kaisa.KFACPreconditioner.with_reference_defaults`.
@@ -488,11 +415,12 @@ class KFACOptions:
             measured on this project's CPUs: ``benchmarks/cost_weights.py``
             measures them on yours).
         profile: which values the options left ``'auto'``
-            (:data:`PROFILED_OPTIONS`) take (:data:`PROFILE_DEFAULTS`).
+            (:data:`kaisa.profiles.PROFILED_OPTIONS`) take
+            (:data:`kaisa.profiles.PROFILE_DEFAULTS`).
             'auto' (the default): 'language-model' when the model has an
             ``nn.Embedding`` (it reads token ids: a decoder, a text encoder,
             a sequence-to-sequence model), 'general' otherwise
-            (:func:`model_profile`; a :class:`KFACOptions` built without a
+            (:func:`kaisa.profiles.model_profile`; a :class:`KFACOptions` built without a
             model takes 'general'). 'general': the intervals and the sides
             chosen by the budget at ``time_budget=0.1``, no eigenvalue
             correction. 'language-model': EKFAC (``'ekfac'``) with factors and
@@ -569,7 +497,7 @@ class KFACOptions:
     curvature_rules: tuple[tuple[str, FixedSides], ...] = field(
         init=False, repr=False, compare=False
     )
-    #: Which of :data:`PROFILED_OPTIONS` took their value from the profile.
+    #: Which of :data:`kaisa.profiles.PROFILED_OPTIONS` took their value from the profile.
     profiled: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def _apply_profile(self) -> None:

@@ -50,14 +50,8 @@ from kaisa.engines.base import LossScale
 from kaisa.layers import LayerHandler
 from kaisa.layers.base import Detachable
 from kaisa.layers.registry import Coverage, survey
-from kaisa.options import (
-    REFERENCE_DEFAULTS,
-    KFACOptions,
-    StepHyper,
-    left_auto,
-    model_profile,
-    profile_report,
-)
+from kaisa.options import REFERENCE_DEFAULTS, KFACOptions, StepHyper
+from kaisa.profiles import left_auto, model_profile, partial_profile_warning, profile_report
 from kaisa.roster import Layer, Roster
 from kaisa.telemetry import Telemetry
 from kaisa.views import RegisteredLayer
@@ -130,7 +124,7 @@ class KFACPreconditioner(StateDictOnly):
     The intervals, ``time_budget``, ``eigenvalue_correction``,
     ``eigenbasis_tolerance`` and ``adaptive_intervals`` default to ``'auto'``:
     the values of the model's ``profile`` ('language-model' when it has an
-    ``nn.Embedding``, else 'general'; :data:`kaisa.options.PROFILE_DEFAULTS`).
+    ``nn.Embedding``, else 'general'; :data:`kaisa.profiles.PROFILE_DEFAULTS`).
     ``factor_decay`` defaults to ``None``, as do the intervals under 'general':
     chosen by the budget (the decay keeps a 200-step averaging window,
     ``1 − interval/200``). Every numeric hyperparameter may also be a
@@ -229,7 +223,9 @@ class KFACPreconditioner(StateDictOnly):
         #: The data-parallel group KAISA plans over (``None``: the whole world).
         self.process_group = data_parallel_group(grad_access.process_group(process_group))
         self.rank, self.world_size = default_world(self.process_group)
-        self._warn_partial_profile(read)
+        partial = partial_profile_warning(options, read, self.world_size, default_world()[1])
+        if partial is not None:
+            warn(partial)
         first_weight = found[0][1].weight
         self.device = first_weight.device
         self.factor_dtype, self.inv_dtype, self.product_dtype = options.dtypes(first_weight.dtype)
@@ -312,25 +308,6 @@ class KFACPreconditioner(StateDictOnly):
             self.world_size,
             self.plan.grad_workers,
         )
-
-    def _warn_partial_profile(self, read: bool) -> None:
-        """Warn when 'general' was read from what may be one stage of a language model.
-
-        Under a data-parallel group smaller than the world (pipeline stages,
-        model-parallel shards), this rank's module may be a part of the model
-        whose token lookup sits on another stage, which would read another profile.
-        """
-        if not read or self.options.profile != "general" or self.process_group is None:
-            return
-        total = default_world()[1]
-        if self.world_size < total:
-            warn(
-                f"kaisa: profile 'general' was read from this rank's part of the model, "
-                f"which has no nn.Embedding, while process_group spans {self.world_size} of "
-                f"the {total} ranks: if it is a pipeline stage or shard of a language model "
-                "whose token lookup lives elsewhere, give profile='language-model' on every "
-                "stage (profile='general' says the default was meant)"
-            )
 
     @classmethod
     def with_reference_defaults(cls, model: nn.Module, **kwargs: Any) -> KFACPreconditioner:

@@ -49,6 +49,8 @@ LEVELS: list[tuple[str, ...]] = [
     ("kaisa.engines",),
     # Layer handlers: capture of factor rows and gradient matrices per module family.
     ("kaisa.layers",),
+    # The profiles: which defaults a model's 'auto' options take (read from the model).
+    ("kaisa.profiles",),
     # Rooms of the front door: its options, the read-only views of its layers.
     ("kaisa.options", "kaisa.views"),
     # The capture bookkeeping of an iteration (the hooks' side).

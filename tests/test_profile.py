@@ -23,14 +23,8 @@ import kaisa
 from kaisa import choices
 from kaisa.demo.cli import _parser as demo_parser
 from kaisa.models import GPT, GapCNN, SmallCNN, ViT
-from kaisa.options import (
-    PROFILE_DEFAULTS,
-    PROFILED_OPTIONS,
-    REFERENCE_DEFAULTS,
-    KFACOptions,
-    model_profile,
-    token_embeddings,
-)
+from kaisa.options import REFERENCE_DEFAULTS, KFACOptions
+from kaisa.profiles import PROFILE_DEFAULTS, PROFILED_OPTIONS, model_profile, token_embeddings
 
 LM = PROFILE_DEFAULTS["language-model"]
 GENERAL = PROFILE_DEFAULTS["general"]
@@ -309,7 +303,9 @@ def test_the_language_model_profile_survives_the_loops_people_write() -> None:
             model.train()
     assert pre.steps == 23
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert pre.telemetry.kept_eigenbases >= 0 and pre.interval_stretch in (1, 2, 4, 8)
+    # The profile's tolerance kept some bases (3 of 60 side refreshes here).
+    assert 0 < pre.telemetry.kept_eigenbases < pre.telemetry.side_refreshes
+    assert pre.interval_stretch in (1, 2, 4, 8)
     assert model.tok_embed.weight.grad is None  # frozen: never written
     names = [layer.name for layer in pre.layers]
     assert "tok_embed" not in names and "pos_embed" in names

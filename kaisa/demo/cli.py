@@ -314,7 +314,7 @@ def _library_default(name: str) -> str:
     shown = "the library's"
     try:
         from kaisa import KFACPreconditioner
-        from kaisa.options import PROFILED_OPTIONS
+        from kaisa.profiles import PROFILED_OPTIONS
 
         default = inspect.signature(KFACPreconditioner).parameters[name].default
     except (ImportError, KeyError, TypeError, ValueError):  # pragma: no cover - defensive

@@ -30,7 +30,8 @@ from kaisa.distributed.agreement import (
     header,
 )
 from kaisa.distributed.plan import LayerShape, make_plan
-from kaisa.options import PROFILE_DEFAULTS, KFACOptions
+from kaisa.options import KFACOptions
+from kaisa.profiles import PROFILE_DEFAULTS
 
 
 def _model(width: int = 4) -> nn.Module:
