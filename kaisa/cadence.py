@@ -1,4 +1,5 @@
-"""Intervals that follow the curvature: ``adaptive_intervals`` and ``stale_refresh``.
+"""Intervals that follow the curvature: ``adaptive_intervals``, ``stale_refresh`` and
+``fresh_start_steps``.
 
 With ``eigenbasis_tolerance`` an inverse update tells how stale the held
 eigenbases were: each exact eigen side either keeps its basis (it still
@@ -41,6 +42,14 @@ step from the next one), and the cap doubles at each inverse update until
 it reaches the intervals given or chosen, when it goes. A stale refresh
 during the climb cuts it back to one. The ranks agree on "stale" by an
 all-reduce, so they cap alike.
+
+:func:`fresh_start_cap` holds the intervals to at most
+:data:`FRESH_START_INTERVAL` steps for the first ``fresh_start_steps`` steps,
+when the curvature moves fastest. On the suite's language model all the steps
+that factors and bases refreshed every 2 steps save over every 5 were saved in
+the first 200 steps of the 1500 (``benchmarks/README.md``, session 25).
+:class:`IntervalStretch` does not move during it: the share of bases that go
+stale in 2 steps says nothing of the intervals it multiplies.
 """
 
 from __future__ import annotations
@@ -57,11 +66,13 @@ __all__ = [
     "DRIFT_FACTOR",
     "DRIFT_LAYERS",
     "DRIFT_SHARE",
+    "FRESH_START_INTERVAL",
     "MAX_STRETCH",
     "STALE_HIGH",
     "STALE_LOW",
     "IntervalStretch",
     "StaleRefresh",
+    "fresh_start_cap",
     "size_ratios",
 ]
 
@@ -88,17 +99,20 @@ class IntervalStretch:
         #: Whether the first inverse update with keepable sides (skipped) was seen.
         self.started = False
 
-    def observe(self, keepable: int, kept: int) -> bool:
+    def observe(self, keepable: int, kept: int, hold: bool = False) -> bool:
         """One inverse update's counts over all ranks; returns whether the multiplier changed.
 
         ``keepable``: sides refreshed that could have kept their eigenbasis
         (exact, eigen method); ``kept``: of those, the ones that did.
+        ``hold``: the intervals in force are not the ones the multiplier
+        stretches (``fresh_start_steps``): the update counts as seen, and the
+        multiplier stays.
         """
         if not self.enabled or keepable <= 0:
             return False
         if not 0 <= kept <= keepable:
             raise ValueError(f"kept ({kept}) must be in [0, keepable={keepable}]")
-        if not self.started:  # the sides held their starting identity: no evidence
+        if not self.started or hold:  # the starting identity, or other intervals: no evidence
             self.started = True
             return False
         stale = 1.0 - kept / keepable
@@ -242,6 +256,18 @@ class StaleRefresh:
             self.cap *= 2
             if self.cap >= longest:
                 self.cap = None
+
+
+#: The longest factor and inverse interval during ``fresh_start_steps``.
+FRESH_START_INTERVAL = 2
+
+
+def fresh_start_cap(cap: int | None, step: int, fresh_start_steps: int) -> int | None:
+    """The cap on the intervals at ``step``: ``cap`` (``stale_refresh``'s; ``None``: none),
+    held to :data:`FRESH_START_INTERVAL` before step ``fresh_start_steps``."""
+    if step >= fresh_start_steps:
+        return cap
+    return FRESH_START_INTERVAL if cap is None else min(cap, FRESH_START_INTERVAL)
 
 
 def size_ratios(pairs: Sequence[tuple[str, torch.Tensor, torch.Tensor]]) -> dict[str, float]:

@@ -38,7 +38,7 @@ from kaisa.distributed.fraction import parse_bytes
 from kaisa.distributed.plan import FractionSpec, resolve_grad_workers
 from kaisa.profiles import PROFILE_DEFAULTS, PROFILED_OPTIONS, left_auto
 from kaisa.schedules import Hyperparameter
-from kaisa.validation import Rule, check_dtype, check_flag, check_number, one_of
+from kaisa.validation import Rule, check_count, check_dtype, check_flag, check_number, one_of
 
 #: Options left to the automatic choice when given as ``None``.
 AUTO_OPTIONS = ("factor_update_steps", "inv_update_steps", "factor_decay")
@@ -406,6 +406,17 @@ class KFACOptions:
             0.65x against 0.63x, the ViT 0.64x against 0.67x, GapCNN 0.86x
             both, ``gpt`` 1.35x against 1.39x; ``benchmarks/README.md``,
             sessions 47–48).
+        fresh_start_steps: 0 (default: off), or a number of steps ``N``: for
+            the first ``N`` steps factors and inverses are updated at least
+            every 2 steps (:func:`kaisa.cadence.fresh_start_cap`), then at the
+            intervals given or chosen. The curvature moves fastest early: on
+            the suite's language model (a 100-step warm-up in 1500 steps)
+            every step that refreshing every 2 steps saved over every 5 was
+            saved in the first 200. ``adaptive_intervals`` holds its
+            multiplier until the first inverse update after it, and the
+            budget's choice costs the intervals after it. It buys steps, not
+            time, on a CPU: see ``docs/language-models.md`` for what it
+            measured.
         grafting: 'off', or 'layer': each layer's preconditioned gradient is
             rescaled to the raw gradient's Frobenius norm before KL clipping,
             so kaisa keeps the step size the optimizer behind it was tuned for
@@ -486,6 +497,7 @@ class KFACOptions:
     eigenbasis_tolerance: Any = "auto"
     adaptive_intervals: Any = "auto"
     stale_refresh: bool = True
+    fresh_start_steps: int = 0
     grafting: Grafting = "off"
     cost_model: CostModel = DEFAULT_COST_MODEL
     profile: Profile = "auto"
@@ -625,6 +637,7 @@ class KFACOptions:
             "factor_sample",
             check_number(self.factor_sample, "factor_sample", low=0.0, high=1.0, low_open=True),
         )
+        set_(self, "fresh_start_steps", check_count(self.fresh_start_steps, "fresh_start_steps"))
         if self.eigenbasis_tolerance is not None:
             tolerance = check_number(
                 self.eigenbasis_tolerance, "eigenbasis_tolerance", low=0.0, high=1.0, high_open=True

@@ -24,7 +24,7 @@ from torch import nn
 
 from kaisa.attachment import attach, claim, holders, release, replaced, taken_over
 from kaisa.autochoice import AutoChoice
-from kaisa.cadence import IntervalStretch, StaleRefresh, size_ratios
+from kaisa.cadence import IntervalStretch, StaleRefresh, fresh_start_cap, size_ratios
 from kaisa.capture import Capturer
 from kaisa.checkpoint import CheckpointTarget, StateDictOnly, read_state, write_state
 from kaisa.curvature.block import (
@@ -170,6 +170,7 @@ class KFACPreconditioner(StateDictOnly):
         eigenbasis_tolerance: float | str | None = "auto",
         adaptive_intervals: bool | str = "auto",
         stale_refresh: bool = True,
+        fresh_start_steps: int = 0,
         grafting: str = "off",
         cost_model: CostModel = DEFAULT_COST_MODEL,
         profile: str = "auto",
@@ -431,7 +432,7 @@ class KFACPreconditioner(StateDictOnly):
     def hyperparameters(self) -> StepHyper:
         """Every hyperparameter's value at the current step (a bad schedule value raises)."""
         return self.options.resolve(
-            self._steps, self._auto.intervals, self._stretch.factor, self._stale.cap
+            self._steps, self._auto.intervals, self._stretch.factor, self._cap()
         )
 
     def hyperparameter(self, name: str) -> float | None:
@@ -441,6 +442,10 @@ class KFACPreconditioner(StateDictOnly):
         value = getattr(self.hyperparameters(), name)
         return None if value is None else float(value)
 
+    def _cap(self) -> int | None:
+        """The cap on the intervals in force: ``stale_refresh``'s, and ``fresh_start_steps``'."""
+        return fresh_start_cap(self._stale.cap, self._steps, self.options.fresh_start_steps)
+
     @property
     def interval_stretch(self) -> int:
         """The multiplier of the factor and inverse intervals in force (``adaptive_intervals``:
@@ -449,14 +454,14 @@ class KFACPreconditioner(StateDictOnly):
 
     def _is_factor_step(self) -> bool:
         interval = self.options.factor_interval(
-            self._steps, self._auto.intervals, self._stretch.factor, self._stale.cap
+            self._steps, self._auto.intervals, self._stretch.factor, self._cap()
         )
         return self._steps % interval == 0
 
     def _is_update_step(self) -> bool:
         """The current step updates factors or second-order state (by the schedules)."""
         inv = self.options.inverse_interval(
-            self._steps, self._auto.intervals, self._stretch.factor, self._stale.cap
+            self._steps, self._auto.intervals, self._stretch.factor, self._cap()
         )
         return self._is_factor_step() or self._steps % inv == 0
 
@@ -554,12 +559,16 @@ class KFACPreconditioner(StateDictOnly):
             rows > 0 for payload in payloads.values() for _, rows in payload.values()
         ):
             calibrating = self._auto.calibrating
+            # The choice lasts the run: it costs the intervals after a fresh start.
+            lasting = self.options.resolve(
+                self._steps, self._auto.intervals, self._stretch.factor, self._stale.cap
+            )
             choice = self._auto.choose(
                 [(layer.name, layer.handler) for layer in self._roster],
                 {c.name: c.keys for c in self._roster.captures},
                 payloads,
                 self._steps,
-                hyper,
+                lasting,
                 self.comm,
             )
             self._apply_choice(choice)
@@ -624,7 +633,9 @@ class KFACPreconditioner(StateDictOnly):
                     "sides exact (curvature='exact', or a larger time_budget), or leave "
                     "adaptive_intervals=False"
                 )
-            if self._stretch.observe(*totals):
+            # The first update after a fresh start is 2 steps from the last one in it.
+            fresh = self._steps <= self.options.fresh_start_steps
+            if self._stretch.observe(totals[0], totals[1], hold=fresh):
                 self.telemetry.interval_changes += 1
                 log.info(
                     "kaisa: step %d: %d of %d eigenbases decomposed; intervals now x%d",

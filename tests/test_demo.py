@@ -655,7 +655,7 @@ def test_curvature_and_the_eigenvalue_correction_reach_both_kaisa_arms() -> None
         "--workload", "gpt", "--arms", "adamw,kaisa-sgd,kaisa-adamw", "--curvature", "Exact",
         "--eigenvalue-correction", "ekfac", "--factor-update-steps", "5",
         "--eigenbasis-tolerance", "0.05", "--time-budget", "2", "--adaptive-intervals", "on",
-        "--factor-sample", "0.25",
+        "--factor-sample", "0.25", "--fresh-start-steps", "200",
     )  # fmt: skip
     for arm in suite.workloads[0].arms:
         if arm.name == "adamw":
@@ -670,6 +670,7 @@ def test_curvature_and_the_eigenvalue_correction_reach_both_kaisa_arms() -> None
             "adaptive_intervals": True,
             "time_budget": 2.0,
             "factor_sample": 0.25,
+            "fresh_start_steps": 200,
         }
     assert _suite("--curvature", "lowrank:16").workloads[0].arms[4].kfac.overrides() == {
         "curvature": "lowrank:16"

@@ -162,6 +162,7 @@ def _device_text(text: str) -> str:
 _device = _checked(_device_text, lambda v: True, "cpu, cuda or cuda:K")
 #: An argparse type for the options that take a positive integer (benchmarks use it too).
 positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
+_nonnegative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
 _positive_float = _checked(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
 _nonnegative_float = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
 _fraction = _checked(float, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
@@ -387,6 +388,11 @@ _KFAC_OPTIONS: _Options = {
         "given or chosen) when the preconditioned gradients' sizes show the curvature went "
         "stale (the default); 'off': the intervals as given or chosen",
         {"type": _on_off, "metavar": "{on,off}"},
+    ),
+    "--fresh-start-steps": (
+        "refresh factors and inverses at least every 2 steps for the first N steps, then at "
+        "the intervals given or chosen (0: off, the default); buys steps, not time, on a CPU",
+        {"type": _nonnegative_int, "metavar": "N"},
     ),
     "--factor-sample": (
         "the share of each layer call's rows (tokens; a convolution's examples) the factor "

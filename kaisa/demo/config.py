@@ -330,6 +330,7 @@ class KfacConfig:
     eigenbasis_tolerance: float | None = None
     adaptive_intervals: bool | None = None
     stale_refresh: bool | None = None
+    fresh_start_steps: int | None = None
     time_budget: float | None = None
     factor_sample: float | None = None
     profile: str | None = None

@@ -96,6 +96,7 @@ _PLAIN = (
     "eigenbasis_tolerance",
     "adaptive_intervals",
     "stale_refresh",
+    "fresh_start_steps",
     "grafting",
     "time_budget",
     "calibrate_budget",
