@@ -278,6 +278,9 @@ class Config:
     adaptive: bool = False
     # inv_update_steps (factors every step).
     inv_steps: int = 2
+    # fresh_start_steps: inverses at least every 2 steps before this step.
+    fresh_start: int = 0
+    stale_refresh: bool = True
 
     def reference_key(self) -> ReferenceKey:
         """The single-process run this configuration must reproduce.
@@ -301,6 +304,8 @@ class Config:
             self.basis_tolerance,
             self.adaptive,
             self.inv_steps,
+            self.fresh_start,
+            self.stale_refresh,
         )
 
 
@@ -404,6 +409,18 @@ def configs(world_size: int) -> list[Config]:
                 symmetry_aware=i % 2 == 1,
                 ddp=i % 2 == 0,
             ),
+            # A fresh start: inverses every 4 steps, capped at 2 before step 3:
+            # updates at steps 0 and 2 (without it, at step 0 only; stale_refresh,
+            # which would refresh at step 2 too, off).
+            Config(
+                f,
+                "eigen",
+                relative=True,
+                inv_steps=4,
+                fresh_start=3,
+                stale_refresh=False,
+                ddp=i % 2 == 1,
+            ),
         ]
     mixed = []
     for i, f in enumerate(fractions(world_size)):
@@ -478,6 +495,8 @@ def make_preconditioner(model: nn.Module, config: Config) -> kaisa.KFACPrecondit
         grafting=config.grafting,
         eigenbasis_tolerance=config.basis_tolerance,
         adaptive_intervals=config.adaptive,
+        fresh_start_steps=config.fresh_start,
+        stale_refresh=config.stale_refresh,
     )
 
 
@@ -688,6 +707,21 @@ def test_the_adaptive_configuration_stretches_its_intervals() -> None:
         unstretched = train(fixed, 0, 1)[-1]
         assert STRETCH[fixed] == 1
         assert not torch.allclose(weights, unstretched, atol=10 * TOLERANCE)
+
+
+def test_the_fresh_start_configuration_refreshes_inside_it() -> None:
+    """The equivalence above has teeth for ``fresh_start_steps``: in one process the
+    inverses are refreshed at step 2 too, and the weights differ from the same run
+    without it."""
+    (config,) = [c for c in configs(2) if c.fresh_start and c.fraction == 1.0]
+    with single_thread():
+        plain = dataclasses.replace(config, ddp=False)
+        weights = train(plain, 0, 1)[-1]
+        refreshes = KEPT[plain][1]
+        later = dataclasses.replace(plain, fresh_start=0)
+        late = train(later, 0, 1)[-1]
+        assert refreshes == 2 * KEPT[later][1] > 0  # steps 0 and 2, against step 0
+        assert not torch.allclose(weights, late, atol=10 * TOLERANCE)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
