@@ -412,9 +412,9 @@ class KFACOptions:
             intervals given or chosen. The curvature moves fastest early: on
             the suite's language model (a 100-step warm-up in 1500 steps)
             every step that refreshing every 2 steps saved over every 5 was
-            saved in the first 200. ``adaptive_intervals`` holds its
-            multiplier until the first inverse update after it, and the
-            budget's choice costs the intervals after it. It buys steps, not
+            saved in the first 200. ``adaptive_intervals`` counts no inverse
+            update before step ``N + 1`` (their bases were 2 steps old), and
+            the budget's choice costs the intervals after it. It buys steps, not
             time, on a CPU: see ``docs/language-models.md`` for what it
             measured.
         grafting: 'off', or 'layer': each layer's preconditioned gradient is
