@@ -137,7 +137,7 @@ def test_default_rates_are_the_suites_gpt_rates_times_the_factors(bench: ModuleT
     args = bench.parse(["--lr-factors", "0.5,2", "--arms", ",".join(arms)])
     table = read_lr_table(DEFAULT_LR_FILE)
     for arm in arms:
-        rate = resolve_lr("gpt", arm, {}, table)[0]
+        rate = resolve_lr("gpt", bench.optimizer_arm(arm), {}, table)[0]
         assert args.lrs[arm] == [rate * 0.5, rate * 2]
 
 
@@ -147,6 +147,20 @@ def test_sgd_behind_kaisa_is_sgd_with_momentum_and_the_defaults(bench: ModuleTyp
     assert run.optimizer.param_groups[0]["momentum"] == 0.9
     assert run.preconditioner.options.profile == "language-model"
     assert bench.make_run("sgd", "sgd", None, 0.1, 0, 16).preconditioner is None
+
+
+def test_kaisa_in_front_of_muon_builds_the_muon_arms_optimizers(bench: ModuleType) -> None:
+    muon = bench.make_run("muon", "muon", None, 0.01, 0, 16)
+    behind = bench.make_run("kaisa-muon", "kaisa-muon", {}, 0.01, 0, 16)
+    assert type(behind.optimizer) is type(muon.optimizer)
+    assert [g["lr"] for g in behind.optimizer.param_groups] == [
+        g["lr"] for g in muon.optimizer.param_groups
+    ]
+    assert muon.preconditioner is None and behind.preconditioner is not None
+    args = bench.parse(["--arms", "kaisa-muon", "--lr-factors", "1"])
+    assert (
+        args.lrs["kaisa-muon"] == bench.parse(["--arms", "muon", "--lr-factors", "1"]).lrs["muon"]
+    )
 
 
 @pytest.mark.timeout(300)
