@@ -148,6 +148,51 @@ def best(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     return min(reached, key=lambda r: (r["steps"], r["time"])) if reached else None
 
 
+def summarize(
+    names: list[str], rows: list[dict[str, Any]], seeds: list[int]
+) -> dict[str, dict[str, Any]]:
+    """Per arm: its best rate's row per seed (:func:`best`), and the medians of those."""
+    summary = {}
+    for name in names:
+        bests = [best([r for r in rows if r["arm"] == name and r["seed"] == s]) for s in seeds]
+        got = [b for b in bests if b is not None]
+        summary[name] = {
+            "reached": f"{len(got)}/{len(seeds)}",
+            "best_lrs": [None if b is None else b["lr"] for b in bests],
+            "steps": [None if b is None else b["steps"] for b in bests],
+            "median_steps": statistics.median(b["steps"] for b in got) if got else None,
+            "median_ms_per_step": statistics.median(b["ms_per_step"] for b in got) if got else None,
+            "median_time": statistics.median(b["time"] for b in got) if got else None,
+        }
+    return summary
+
+
+def summary_table(summary: dict[str, dict[str, Any]], decimals: int) -> list[list[str]]:
+    """The rows of :data:`SUMMARY_HEADERS` for :func:`summarize`'s result."""
+    table = []
+    for name, s in summary.items():
+        ms, time_ = s["median_ms_per_step"], s["median_time"]
+        table.append(
+            [
+                name,
+                s["reached"],
+                "/".join("-" if v is None else f"{v:g}" for v in s["best_lrs"]),
+                "/".join("-" if v is None else str(v) for v in s["steps"]),
+                "-" if s["median_steps"] is None else f"{s['median_steps']:g}",
+                "-" if ms is None else f"{ms:.{decimals}f}",
+                "-" if time_ is None else f"{time_:.{decimals}f} s",
+            ]
+        )
+    return table
+
+
+#: The columns of :func:`summary_table`.
+SUMMARY_HEADERS = [
+    "arm", "reached", "best lr per seed", "steps per seed", "median steps", "ms/step",
+    "median time",
+]  # fmt: skip
+
+
 def _floats(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v]
 
@@ -196,32 +241,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows += run_seed(args, data, seed)
             print(f"seed {seed} done", flush=True)
 
-    table, summary = [], {}
-    for arm, _ in args.arms:
-        bests = [best([r for r in rows if r["arm"] == arm and r["seed"] == s]) for s in seeds]
-        got = [b for b in bests if b is not None]
-        summary[arm] = {
-            "reached": f"{len(got)}/{len(seeds)}",
-            "best_lrs": [None if b is None else b["lr"] for b in bests],
-            "steps": [None if b is None else b["steps"] for b in bests],
-            "median_steps": statistics.median(b["steps"] for b in got) if got else None,
-            "median_ms_per_step": statistics.median(b["ms_per_step"] for b in got) if got else None,
-            "median_time": statistics.median(b["time"] for b in got) if got else None,
-        }
-        s = summary[arm]
-        table.append(
-            [
-                arm,
-                s["reached"],
-                "/".join("-" if v is None else f"{v:g}" for v in s["best_lrs"]),
-                "/".join("-" if v is None else str(v) for v in s["steps"]),
-                "-" if s["median_steps"] is None else f"{s['median_steps']:g}",
-                "-" if s["median_ms_per_step"] is None else f"{s['median_ms_per_step']:.2f}",
-                "-" if s["median_time"] is None else f"{s['median_time']:.2f} s",
-            ]
-        )
-    headers = ["arm", "reached", "best lr per seed", "steps per seed", "median steps"]
-    print(format_table([*headers, "ms/step", "median time"], table))
+    summary = summarize([arm for arm, _ in args.arms], rows, seeds)
+    table = summary_table(summary, decimals=2)
+    print(format_table(SUMMARY_HEADERS, table))
     print(f"load average: {load.describe()}")
     result = {
         "target": args.target,

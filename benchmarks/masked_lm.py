@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -51,7 +50,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from common import LoadRecord, format_table, library_commit, machine_info, set_threads, write_json
-from field_embeddings import _floats, best
+from field_embeddings import SUMMARY_HEADERS, _floats, summarize, summary_table
 from torch import nn
 
 import kaisa
@@ -350,47 +349,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 flush=True,
             )
 
-    summary: dict[str, Any] = {}
-    for name, _, _ in args.arm_list:
-        bests = [best([r for r in rows if r["arm"] == name and r["seed"] == s]) for s in seeds]
-        got = [b for b in bests if b is not None]
-        summary[name] = {
-            "reached": f"{len(got)}/{len(seeds)}",
-            "best_lrs": [None if b is None else b["lr"] for b in bests],
-            "steps": [None if b is None else b["steps"] for b in bests],
-            "median_steps": statistics.median(b["steps"] for b in got) if got else None,
-            "median_ms_per_step": statistics.median(b["ms_per_step"] for b in got) if got else None,
-            "median_time": statistics.median(b["time"] for b in got) if got else None,
-            "best_last": [
-                min((r["last"] for r in rows if r["arm"] == name and r["seed"] == s), default=None)
-                for s in seeds
-            ],
-        }
-    table = []
-    for name, s in summary.items():
+    summary = summarize([name for name, _, _ in args.arm_list], rows, seeds)
+    table = summary_table(summary, decimals=1)
+    for (name, s), line in zip(summary.items(), table, strict=True):
+        s["best_last"] = [
+            min((r["last"] for r in rows if r["arm"] == name and r["seed"] == seed), default=None)
+            for seed in seeds
+        ]
         others = [o for n, o in summary.items() if n != name and o["median_time"] is not None]
         ratio = ""
         if s["median_time"] is not None and others:
-            fastest = min(others, key=lambda o: o["median_time"])
+            fastest = min(o["median_time"] for o in others)
             fewest = min(o["median_steps"] for o in others)
             ratio = (
-                f"{s['median_time'] / fastest['median_time']:.2f}x time, "
-                f"{s['median_steps'] / fewest:.2f}x steps"
+                f"{s['median_time'] / fastest:.2f}x time, {s['median_steps'] / fewest:.2f}x steps"
             )
-        table.append(
-            [
-                name,
-                s["reached"],
-                "/".join("-" if v is None else f"{v:g}" for v in s["best_lrs"]),
-                "/".join("-" if v is None else str(v) for v in s["steps"]),
-                "-" if s["median_steps"] is None else f"{s['median_steps']:g}",
-                "-" if s["median_ms_per_step"] is None else f"{s['median_ms_per_step']:.1f}",
-                "-" if s["median_time"] is None else f"{s['median_time']:.1f} s",
-                ratio,
-            ]
-        )
-    headers = ["arm", "reached", "best lr per seed", "steps per seed", "median steps"]
-    print(format_table([*headers, "ms/step", "median time", "vs the best other"], table))
+        line.append(ratio)
+    print(format_table([*SUMMARY_HEADERS, "vs the best other"], table))
     print(f"load average: {load.describe()}")
     result = {
         "target": args.target,
