@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kaisa.attachment import Structure
-from kaisa.curvature.block import HELD_FACTOR_WARNING, OUTLIER_RATIO
+from kaisa.curvature.block import HELD_FACTOR_WARNING, OUTLIER_RATIO, RESCALE_RATIO
 from kaisa.curvature.fold import SKIPPED_IN_A_ROW, FoldOutcome
 from kaisa.engines.base import LossScale
 from kaisa.roster import Layer
@@ -108,17 +108,18 @@ class Watch:
             if self.once(f"outlier {name}"):
                 warn(
                     f"kaisa: layer {name!r}: a batch factor over {OUTLIER_RATIO:g}x its "
-                    "running average was not folded: the next factor update was back at the "
-                    "average's scale, so it was an outlier batch (a scale that stays beyond "
-                    "the ratio for two updates in a row is taken in; reported once per layer)"
+                    "running average was not folded: the next factor update was back within "
+                    f"{RESCALE_RATIO:.3g}x the average, so it was an outlier batch (a scale "
+                    "still beyond that at the next update is taken in; reported once per layer)"
                 )
         for name in outcome.rescaled:
             log.info(
-                "kaisa: layer %r: a second batch factor in a row over %gx the running average; "
-                "the scale changed for good (e.g. a LayerScale growing): the average restarts "
-                "from it",
+                "kaisa: layer %r: after a batch factor over %gx the running average, the next "
+                "is still over %.3gx it; the scale changed (e.g. a LayerScale growing, attention "
+                "starting to learn): the average restarts from it",
                 name,
                 OUTLIER_RATIO,
+                RESCALE_RATIO,
             )
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if outcome.skipped else 0
         if self.skipped_in_a_row >= SKIPPED_IN_A_ROW:

@@ -588,6 +588,44 @@ def test_an_outlier_batch_is_not_folded_and_a_lasting_scale_is_taken_in() -> Non
     assert state["layers"][pre.layers[0].name]["outliers"] == 0
 
 
+def test_a_scale_still_climbing_after_a_held_batch_is_taken_in_without_a_warning() -> None:
+    """As attention starts to learn, its factors jump over the outlier ratio in one
+    update and stay far above the old average in the next (HuggingFace BERT: x1600-9800,
+    then x110-700): the scale changed, so the second batch restarts the average and
+    nothing is reported as an outlier batch. Here the loss is scaled: G by its square."""
+    from kaisa.curvature.block import OUTLIER_RATIO, RESCALE_RATIO
+
+    model = Net().double()
+    pre = kaisa.KFACPreconditioner(
+        model, lr=0.1, factor_update_steps=1, inv_update_steps=1, curvature="exact", inv_dtype=D
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay: only G's scale moves
+
+    def step(loss_scale: float, seed: int) -> None:
+        x, y = data(seed=seed)
+        opt.zero_grad()
+        (loss_scale * F.cross_entropy(model(x), y)).backward()
+        pre.step()
+        opt.step()
+
+    def g_traces() -> list[float]:
+        return [layer.block.g.diagonal().sum().item() for layer in pre.layers]
+
+    for seed in range(3):
+        step(1.0, seed)
+    clean = g_traces()
+    step(OUTLIER_RATIO**0.5 * 3, 10)  # G x ~9000: held on every layer
+    assert g_traces() == pytest.approx(clean)
+    assert all(layer.block.outliers == 1 for layer in pre.layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no outlier warning
+        step(RESCALE_RATIO**0.5 * 3, 11)  # G x ~300: still far beyond the old average
+    assert pre.telemetry.outlier_factor_updates == 0
+    assert all(layer.block.outliers == 0 for layer in pre.layers)
+    # Each average restarted from that batch: over RESCALE_RATIO x where it was.
+    assert all(now > RESCALE_RATIO * before for now, before in zip(g_traces(), clean, strict=True))
+
+
 def test_a_forgotten_unscale_is_reported_once() -> None:
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -60,8 +60,18 @@ def effective_decay(decay: float, updates: int, init: FactorInit) -> float:
 #: A batch factor whose trace exceeds this multiple of its running average's
 #: (after the first update) is held back: an outlier batch if the next factor
 #: update is back at the average's scale, the start of a lasting change of
-#: scale if the next one is beyond the ratio too (see :data:`OUTLIER_PATIENCE`).
+#: scale if the next one is still far beyond it (:data:`RESCALE_RATIO`; see
+#: :data:`OUTLIER_PATIENCE`).
 OUTLIER_RATIO = 1e3
+#: After a held batch, a next factor update still beyond this multiple of the
+#: running average (which the held batch never entered) shows that the scale
+#: changed, and the average restarts from it; within it, the held batch was an
+#: outlier. ``√OUTLIER_RATIO``, halfway on a log scale: one corrupted batch is
+#: followed by ordinary ones (about 1x), while a scale that grows keeps its
+#: growth. Measured (session 52): as HuggingFace BERT's attention starts to
+#: learn, its query and key projections' ``G`` factors jump 1600-9800x their
+#: averages in one update and stay 110-700x above them in the next.
+RESCALE_RATIO = OUTLIER_RATIO**0.5
 #: A side's eigendecomposition, run in float32, is redone in float64 when the
 #: damped solve's error bound (:func:`~kaisa.curvature.linalg.eigen_error_bound`,
 #: ``r = eps·λ_max / (λ_min + γ_eff)`` in the scaled eigenvalues) exceeds this.
@@ -84,11 +94,12 @@ FACTOR_ROUNDING = 0.03
 HELD_FACTOR_WARNING = 0.1
 
 #: After this many consecutive held updates of a layer the next one beyond
-#: the ratio is taken in, and the running average restarts from it: the scale
-#: has changed, not spiked. One: a lasting change (a LayerScale's factor,
-#: ``γ²``-proportional, growing by orders of magnitude from ``γ = 1e-6`` in
-#: its first steps) costs one factor update, while one outlier batch among
-#: ordinary ones is still refused.
+#: :data:`RESCALE_RATIO` is taken in, and the running average restarts from
+#: it: the scale has changed, not spiked. One: a lasting change (a
+#: LayerScale's factor, ``γ²``-proportional, growing by orders of magnitude
+#: from ``γ = 1e-6`` in its first steps; attention starting to learn) costs
+#: one factor update, while one outlier batch among ordinary ones is still
+#: refused.
 OUTLIER_PATIENCE = 1
 
 #: The side representations whose eigenbasis is explicit, so that the
@@ -106,9 +117,9 @@ def factor_trace(factor: torch.Tensor, capture: str) -> torch.Tensor:
     return factor.diagonal().sum() if capture == "gram" else factor[1].sum()
 
 
-def is_outlier(batch_trace: float, running_trace: float) -> bool:
-    """Whether a batch factor is an outlier against its running average (:data:`OUTLIER_RATIO`)."""
-    return running_trace > 0.0 and batch_trace > OUTLIER_RATIO * running_trace
+def trace_ratio(batch_trace: float, running_trace: float) -> float:
+    """A batch factor's trace over its running average's (0 while the average's is not positive)."""
+    return batch_trace / running_trace if running_trace > 0.0 else 0.0
 
 
 class KroneckerBlock:
@@ -248,24 +259,24 @@ class KroneckerBlock:
         :data:`OUTLIER_RATIO` times the running average's is held back
         (``'held'``, not folded): one batch of inputs ×1e6 would otherwise
         dominate the average for hundreds of updates. The next update tells
-        which it was. Back within the ratio: it is folded as usual, and the
-        held batch proves an outlier (``'spike'``). Beyond the ratio again
-        (after :data:`OUTLIER_PATIENCE` held updates): the scale has changed
-        for good, as a LayerScale's does while ``γ`` grows from ``1e-6``, and
-        the running average restarts from this batch (``'rescaled'``; the old
-        average, under ``1/OUTLIER_RATIO`` of it, is dropped). Otherwise
-        ``'folded'``.
+        which it was. Back within :data:`RESCALE_RATIO` of the average: it is
+        folded as usual, and the held batch proves an outlier (``'spike'``).
+        Still beyond it (beyond the outlier ratio too, once
+        :data:`OUTLIER_PATIENCE` updates were held): the scale has changed, as
+        a LayerScale's does while ``γ`` grows from ``1e-6`` or attention's
+        query and key factors do as it starts to learn, and the running
+        average restarts from this batch (``'rescaled'``; the old average,
+        under ``1/RESCALE_RATIO`` of it, is dropped). Otherwise ``'folded'``.
         """
         a_batch_trace, g_batch_trace, a_trace, g_trace = traces
-        spike = is_outlier(a_batch_trace, a_trace) or is_outlier(g_batch_trace, g_trace)
-        if spike and self.updates > 0:
-            if self.outliers < OUTLIER_PATIENCE:
-                self.outliers += 1
-                return "held"
-            self.outliers = 0
+        ratio = max(trace_ratio(a_batch_trace, a_trace), trace_ratio(g_batch_trace, g_trace))
+        if ratio > OUTLIER_RATIO and self.updates > 0 and self.outliers < OUTLIER_PATIENCE:
+            self.outliers += 1
+            return "held"
+        held, self.outliers = self.outliers, 0
+        if held and ratio > RESCALE_RATIO:
             self.fold(a_batch, g_batch, 0.0)
             return "rescaled"
-        held, self.outliers = self.outliers, 0
         self.fold(a_batch, g_batch, decay)
         return "spike" if held else "folded"
 

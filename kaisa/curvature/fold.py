@@ -39,9 +39,10 @@ class FoldOutcome:
 
     ``held``: batches held back (beyond the outlier ratio; the next update
     tells); ``outliers``: layers whose held batch proved an outlier batch (this
-    update was back at the average's scale; that batch was never folded);
-    ``rescaled``: layers whose scale changed for good (a second batch beyond
-    the ratio; the running average restarted from it).
+    update was back within the rescale ratio of the average; that batch was
+    never folded); ``rescaled``: layers whose scale changed (the batch after a
+    held one still beyond the rescale ratio; the running average restarted
+    from it).
     """
 
     skipped: bool
