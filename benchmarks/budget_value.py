@@ -49,7 +49,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import LoadRecord, format_table, machine_info, set_threads, write_json
+from common import (
+    ARM_SUMMARY_HEADERS,
+    LoadRecord,
+    arm_summaries,
+    arm_summary_table,
+    best_rate,
+    floats,
+    format_table,
+    machine_info,
+    set_threads,
+    write_json,
+)
 
 import kaisa
 from kaisa.demo.data import DEFAULT_DATA_DIR, load_fashion_mnist
@@ -269,15 +280,6 @@ def run_seed(args: argparse.Namespace, data: Any, seed: int) -> list[dict[str, A
     return [dict(seed=seed, **r.result()) for r in runs]
 
 
-def _best(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    reached = [r for r in rows if r["time"] is not None]
-    return min(reached, key=lambda r: (r["time"], r["steps"])) if reached else None
-
-
-def _floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",") if v]
-
-
 def _ranks(text: str) -> list[int]:
     ranks = [int(v) for v in text.split(",") if v]
     # The ranks the first layer's 785-wide input side allows (SideSpec.check_size).
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--budgets", type=_floats, default=[0.1, 0.3, 1.0, 3.0])
+    p.add_argument("--budgets", type=floats, default=[0.1, 0.3, 1.0, 3.0])
     p.add_argument("--exact", type=_intervals, default=[(10, 20)], help="F/I,F/I,...")
     p.add_argument(
         "--no-first-input-side",
@@ -349,52 +351,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"seed {seed} done ({len(seed_rows)} runs)", flush=True)
 
     names = [name for name, _ in _arms(args)]
+    # Each arm at its fastest rate per seed; time over SGD's (its fastest) seed by seed.
+    summary = arm_summaries(names, rows, seeds, by="time")
     best = {
-        (n, s): _best([r for r in rows if r["arm"] == n and r["seed"] == s])
+        (n, s): best_rate([r for r in rows if r["arm"] == n and r["seed"] == s], by="time")
         for n in names
         for s in seeds
     }
-    table, summary = [], {}
-    for n in names:
-        bests = [best[n, s] for s in seeds]
-        got = [b for b in bests if b is not None]
+    table = arm_summary_table(summary, decimals=2)
+    for n, line in zip(names, table, strict=True):
         ratios = [
             b["time"] / sgd["time"]
             for b, sgd in ((best[n, s], best["sgd", s]) for s in seeds)
             if b is not None and sgd is not None
         ]
-        summary[n] = {
-            "reached": f"{len(got)}/{len(seeds)}",
-            "best_lrs": [None if b is None else b["lr"] for b in bests],
-            "steps": [None if b is None else b["steps"] for b in bests],
-            "median_steps": statistics.median(b["steps"] for b in got) if got else None,
-            "median_ms_per_step": statistics.median(b["ms_per_step"] for b in got) if got else None,
-            "median_time": statistics.median(b["time"] for b in got) if got else None,
-            "median_time_over_sgd": statistics.median(ratios) if ratios else None,
-        }
-        s = summary[n]
-        table.append(
-            [
-                n,
-                s["reached"],
-                "/".join("-" if v is None else f"{v:g}" for v in s["best_lrs"]),
-                "/".join("-" if v is None else str(v) for v in s["steps"]),
-                "-" if s["median_steps"] is None else f"{s['median_steps']:g}",
-                "-" if not got else f"{s['median_ms_per_step']:.2f}",
-                "-" if not got else f"{s['median_time']:.2f}",
-                "-" if not ratios else f"{s['median_time_over_sgd']:.2f}",
-            ]
-        )
+        summary[n]["median_time_over_sgd"] = statistics.median(ratios) if ratios else None
+        line.append("-" if not ratios else f"{statistics.median(ratios):.2f}")
     print(
         f"\nMLP 784-256-256-10 on Fashion-MNIST to {args.target:.0%} test accuracy, "
         f"{args.threads} thread(s), seeds {args.seeds}, lockstep, {load.describe()}:"
     )
-    print(
-        format_table(
-            ["arm", "reached", "best lr", "steps", "median steps", "ms/step", "time s", "time/SGD"],
-            table,
-        )
-    )
+    print(format_table([*ARM_SUMMARY_HEADERS, "time/SGD"], table))
     gains = {}
     if args.side_gains:
         gains = {seed: side_gains(data, seed) for seed in seeds}

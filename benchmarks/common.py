@@ -2,7 +2,8 @@
 
 Everything here is independent of kaisa: machine and load recording, thread
 pinning, timing statistics, peak memory, ``key=value`` option parsing, running
-one measurement in a fresh child process, plain-text tables and JSON output.
+one measurement in a fresh child process, plain-text tables and JSON output,
+and the per-arm summary of lockstep runs at several learning rates.
 
 Benchmarks print a table, can write JSON, and never decide pass/fail on wall
 clock time (shared machines are noisy); they record the load average next to
@@ -229,6 +230,74 @@ def summarize(times: Sequence[float]) -> dict[str, float]:
         "p10": _percentile(ordered, 0.10),
         "p90": _percentile(ordered, 0.90),
     }
+
+
+def best_rate(rows: Sequence[Mapping[str, Any]], by: str = "steps") -> Mapping[str, Any] | None:
+    """Of one arm's runs of one seed (one per learning rate), the best that reached the target.
+
+    Each row has ``steps`` and ``time`` to target (``None``: not reached). ``by``
+    ``'steps'``: the fewest steps, ties to less time; ``'time'``: the least
+    time, ties to fewer steps. ``None`` when no row reached the target.
+    """
+    if by not in ("steps", "time"):
+        raise ValueError(f"by must be 'steps' or 'time', got {by!r}")
+    other = "time" if by == "steps" else "steps"
+    reached = [r for r in rows if r[by] is not None]
+    return min(reached, key=lambda r: (r[by], r[other])) if reached else None
+
+
+def arm_summaries(
+    names: Sequence[str], rows: Sequence[Mapping[str, Any]], seeds: Sequence[int], by: str = "steps"
+) -> dict[str, dict[str, Any]]:
+    """Per arm: its best rate per seed (:func:`best_rate`), and the medians over the seeds that
+    reached the target of that rate's steps, ms per step and time (rows carry ``arm``, ``seed``,
+    ``lr``, ``steps``, ``ms_per_step`` and ``time``)."""
+    summary = {}
+    for name in names:
+        bests = [
+            best_rate([r for r in rows if r["arm"] == name and r["seed"] == s], by) for s in seeds
+        ]
+        got = [b for b in bests if b is not None]
+        summary[name] = {
+            "reached": f"{len(got)}/{len(seeds)}",
+            "best_lrs": [None if b is None else b["lr"] for b in bests],
+            "steps": [None if b is None else b["steps"] for b in bests],
+            "median_steps": statistics.median(b["steps"] for b in got) if got else None,
+            "median_ms_per_step": statistics.median(b["ms_per_step"] for b in got) if got else None,
+            "median_time": statistics.median(b["time"] for b in got) if got else None,
+        }
+    return summary
+
+
+#: The columns of :func:`arm_summary_table`.
+ARM_SUMMARY_HEADERS = [
+    "arm", "reached", "best lr per seed", "steps per seed", "median steps", "ms/step",
+    "median time",
+]  # fmt: skip
+
+
+def arm_summary_table(summary: Mapping[str, Mapping[str, Any]], decimals: int) -> list[list[str]]:
+    """The rows of :data:`ARM_SUMMARY_HEADERS` for :func:`arm_summaries`' result."""
+    table = []
+    for name, s in summary.items():
+        ms, time_ = s["median_ms_per_step"], s["median_time"]
+        table.append(
+            [
+                name,
+                s["reached"],
+                "/".join("-" if v is None else f"{v:g}" for v in s["best_lrs"]),
+                "/".join("-" if v is None else str(v) for v in s["steps"]),
+                "-" if s["median_steps"] is None else f"{s['median_steps']:g}",
+                "-" if ms is None else f"{ms:.{decimals}f}",
+                "-" if time_ is None else f"{time_:.{decimals}f} s",
+            ]
+        )
+    return table
+
+
+def floats(text: str) -> list[float]:
+    """``'0.1,3'`` as ``[0.1, 3.0]`` (empty items skipped)."""
+    return [float(v) for v in text.split(",") if v]
 
 
 def _percentile(ordered: Sequence[float], q: float) -> float:

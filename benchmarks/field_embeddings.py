@@ -33,14 +33,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from budget_value import Run
-from common import LoadRecord, format_table, machine_info, set_threads, write_json
+from common import (
+    ARM_SUMMARY_HEADERS,
+    LoadRecord,
+    arm_summaries,
+    arm_summary_table,
+    floats,
+    format_table,
+    machine_info,
+    set_threads,
+    write_json,
+)
 from torch import nn
 
 import kaisa
@@ -142,61 +151,6 @@ def run_seed(args: argparse.Namespace, data: Data, seed: int) -> list[dict[str, 
     return rows
 
 
-def best(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The row with the fewest steps to target (ties: less time); ``None``: none reached it."""
-    reached = [r for r in rows if r["steps"] is not None]
-    return min(reached, key=lambda r: (r["steps"], r["time"])) if reached else None
-
-
-def summarize(
-    names: list[str], rows: list[dict[str, Any]], seeds: list[int]
-) -> dict[str, dict[str, Any]]:
-    """Per arm: its best rate's row per seed (:func:`best`), and the medians of those."""
-    summary = {}
-    for name in names:
-        bests = [best([r for r in rows if r["arm"] == name and r["seed"] == s]) for s in seeds]
-        got = [b for b in bests if b is not None]
-        summary[name] = {
-            "reached": f"{len(got)}/{len(seeds)}",
-            "best_lrs": [None if b is None else b["lr"] for b in bests],
-            "steps": [None if b is None else b["steps"] for b in bests],
-            "median_steps": statistics.median(b["steps"] for b in got) if got else None,
-            "median_ms_per_step": statistics.median(b["ms_per_step"] for b in got) if got else None,
-            "median_time": statistics.median(b["time"] for b in got) if got else None,
-        }
-    return summary
-
-
-def summary_table(summary: dict[str, dict[str, Any]], decimals: int) -> list[list[str]]:
-    """The rows of :data:`SUMMARY_HEADERS` for :func:`summarize`'s result."""
-    table = []
-    for name, s in summary.items():
-        ms, time_ = s["median_ms_per_step"], s["median_time"]
-        table.append(
-            [
-                name,
-                s["reached"],
-                "/".join("-" if v is None else f"{v:g}" for v in s["best_lrs"]),
-                "/".join("-" if v is None else str(v) for v in s["steps"]),
-                "-" if s["median_steps"] is None else f"{s['median_steps']:g}",
-                "-" if ms is None else f"{ms:.{decimals}f}",
-                "-" if time_ is None else f"{time_:.{decimals}f} s",
-            ]
-        )
-    return table
-
-
-#: The columns of :func:`summary_table`.
-SUMMARY_HEADERS = [
-    "arm", "reached", "best lr per seed", "steps per seed", "median steps", "ms/step",
-    "median time",
-]  # fmt: skip
-
-
-def _floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",") if v]
-
-
 def _arm(text: str) -> tuple[str, dict[str, Any]]:
     name, sep, options = text.partition("=")
     try:
@@ -214,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--lrs", type=_floats, default=[1e-3, 3e-3, 1e-2])
+    p.add_argument("--lrs", type=floats, default=[1e-3, 3e-3, 1e-2])
     p.add_argument("--target", type=float, default=0.95)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--max-steps", type=int, default=1500)
@@ -241,9 +195,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows += run_seed(args, data, seed)
             print(f"seed {seed} done", flush=True)
 
-    summary = summarize([arm for arm, _ in args.arms], rows, seeds)
-    table = summary_table(summary, decimals=2)
-    print(format_table(SUMMARY_HEADERS, table))
+    summary = arm_summaries([arm for arm, _ in args.arms], rows, seeds)
+    table = arm_summary_table(summary, decimals=2)
+    print(format_table(ARM_SUMMARY_HEADERS, table))
     print(f"load average: {load.describe()}")
     result = {
         "target": args.target,

@@ -49,8 +49,18 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import LoadRecord, format_table, library_commit, machine_info, set_threads, write_json
-from field_embeddings import SUMMARY_HEADERS, _floats, summarize, summary_table
+from common import (
+    ARM_SUMMARY_HEADERS,
+    LoadRecord,
+    arm_summaries,
+    arm_summary_table,
+    floats,
+    format_table,
+    library_commit,
+    machine_info,
+    set_threads,
+    write_json,
+)
 from torch import nn
 
 import kaisa
@@ -260,7 +270,7 @@ def _variant(text: str) -> tuple[str, dict[str, Any]]:
 def _rates(text: str) -> tuple[str, list[float]]:
     name, sep, rates = text.partition("=")
     try:
-        values = _floats(rates)
+        values = floats(rates)
     except ValueError:
         values = []
     if not sep or not values or min(values) <= 0:
@@ -291,7 +301,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         metavar="ARM=R1,R2",
         help="an arm's peak rates (default: its gpt rate times --lr-factors)",
     )
-    p.add_argument("--lr-factors", type=_floats, default=[0.5, 1.0, 2.0])
+    p.add_argument("--lr-factors", type=floats, default=[0.5, 1.0, 2.0])
     p.add_argument(
         "--target", type=float, default=TARGET, help="validation loss (nats per masked byte)"
     )
@@ -349,8 +359,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 flush=True,
             )
 
-    summary = summarize([name for name, _, _ in args.arm_list], rows, seeds)
-    table = summary_table(summary, decimals=1)
+    summary = arm_summaries([name for name, _, _ in args.arm_list], rows, seeds)
+    table = arm_summary_table(summary, decimals=1)
     for (name, s), line in zip(summary.items(), table, strict=True):
         s["best_last"] = [
             min((r["last"] for r in rows if r["arm"] == name and r["seed"] == seed), default=None)
@@ -365,7 +375,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{s['median_time'] / fastest:.2f}x time, {s['median_steps'] / fewest:.2f}x steps"
             )
         line.append(ratio)
-    print(format_table([*SUMMARY_HEADERS, "vs the best other"], table))
+    print(format_table([*ARM_SUMMARY_HEADERS, "vs the best other"], table))
     print(f"load average: {load.describe()}")
     result = {
         "target": args.target,

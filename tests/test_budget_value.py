@@ -63,10 +63,10 @@ def test_a_target_not_reached_has_no_time_and_is_never_best(bench: ModuleType) -
     )
     assert [r["arm"] for r in rows] == ["sgd"] * len(bench.SGD_LRS)
     assert all(r["steps"] is None and r["time"] is None and r["ran"] == 2 for r in rows)
-    assert bench._best(rows) is None
+    assert bench.best_rate(rows, by="time") is None
     reached = dict(rows[0], steps=4, time=2.0)
     faster = dict(rows[1], steps=6, time=1.0)
-    assert bench._best([*rows, reached, faster]) is faster
+    assert bench.best_rate([*rows, reached, faster], by="time") is faster
 
 
 @pytest.mark.timeout(120)
@@ -96,8 +96,8 @@ def test_per_side_arms_hold_one_side_exact_and_every_other_diagonal(bench: Modul
 
 def test_interval_and_budget_lists_parse(bench: ModuleType) -> None:
     assert bench._intervals("10/20,5/10") == [(10, 20), (5, 10)]
-    assert bench._intervals("") == [] and bench._floats("") == []
-    assert bench._floats("0.1,3") == [0.1, 3.0]
+    assert bench._intervals("") == [] and bench.floats("") == []
+    assert bench.floats("0.1,3") == [0.1, 3.0]
     assert bench._ranks("8,16") == [8, 16] and bench._ranks("") == []
     for bad in ("0", "8,786"):
         with pytest.raises(argparse.ArgumentTypeError, match=r"ranks must be in \[1, 785\]"):

@@ -96,7 +96,7 @@ def test_every_arm_and_rate_starts_alike_sees_the_same_batches_and_trains(
     assert all(r["steps"] == 3 and r["time"] > 0 and r["curve"][0][0] == 3 for r in rows)
     assert rows[4]["profile"] == rows[5]["profile"] == "language-model"
     fastest = min(rows[:2], key=lambda r: (r["steps"], r["time"]))
-    adamw = bench.summarize(["adamw"], rows, [0])["adamw"]
+    adamw = bench.arm_summaries(["adamw"], rows, [0])["adamw"]
     assert adamw["best_lrs"] == [fastest["lr"]] and adamw["median_time"] == fastest["time"]
     runs = [bench.make_run(n, b, k, 1e-3, 0, 16) for n, b, k in args.arm_list]
     for run in runs[1:]:
