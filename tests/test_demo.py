@@ -908,6 +908,33 @@ def test_compare_arms_against_the_best_other_arm() -> None:
     assert alone["sgd"]["vs_best"]["arm"] is None and alone["adamw"]["vs_best"]["arm"] == "sgd"
 
 
+def test_compare_arms_steps_against_the_fewest_other() -> None:
+    # Muon is the fastest arm without K-FAC, SOAP takes the fewest steps: the
+    # time compares with Muon, the steps with SOAP (the same candidates).
+    arms = {
+        "adamw": _arm_result(60.0, {0: 60.0}, steps_to_target=950),
+        "muon": _arm_result(35.0, {0: 35.0}, steps_to_target=522),
+        "soap": _arm_result(90.0, {0: 90.0}, steps_to_target=484),
+        "sgd": _arm_result(None, {0: None}, steps_to_target=None),
+        "kaisa-adamw": _arm_result(38.0, {0: 38.0}, steps_to_target=436),
+    }
+    comp = compare_arms(arms)
+    assert comp["kaisa-adamw"]["vs_best"]["arm"] == "muon"
+    assert comp["kaisa-adamw"]["vs_fewest_steps"] == {
+        "arm": "soap", "steps_ratio": pytest.approx(436 / 484)}  # fmt: skip
+    # Other arms: every arm but themselves, kaisa's included.
+    assert comp["muon"]["vs_fewest_steps"] == {
+        "arm": "kaisa-adamw", "steps_ratio": pytest.approx(522 / 436)}  # fmt: skip
+    # An arm that never reached the target has no ratio, but still names the fewest.
+    assert comp["sgd"]["vs_fewest_steps"] == {"arm": "kaisa-adamw", "steps_ratio": None}
+    # Nobody else reached it (or no steps on record): nothing to compare with.
+    alone = compare_arms({"kaisa-sgd": _arm_result(5.0, {0: 5.0}, steps_to_target=50),
+                          "sgd": _arm_result(None, {0: None}, steps_to_target=None)})  # fmt: skip
+    assert alone["kaisa-sgd"]["vs_fewest_steps"] == {"arm": None, "steps_ratio": None}
+    no_steps = compare_arms({"sgd": _arm_result(5.0, {0: 5.0}), "adamw": _arm_result(6.0, {})})
+    assert no_steps["sgd"]["vs_fewest_steps"] == {"arm": None, "steps_ratio": None}
+
+
 def test_summary_rows_over_workloads() -> None:
     def results(workload: str, times: dict[str, float | None]) -> dict:
         arms = {}
@@ -938,9 +965,23 @@ def test_summary_rows_over_workloads() -> None:
     text = format_summary(summary)
     assert "0.50x sgd" in text and "never" in text and "(none)" in text
     assert "precondition 1.50 s" in text
-    assert "| resnet20 | SGD + KAISA | 1/1 | 400 | 50.0 | 40.0 s | (none) | 20% |" in (
-        summary_markdown(summary)
-    )
+    markdown = summary_markdown(summary)
+    row = "| resnet20 | SGD + KAISA | 1/1 | 400 | (none) | 50.0 | 40.0 s | (none) | 20% |"
+    assert row in markdown
+    # Steps against the fewest of the same arms: 500 against SGD's 1000.
+    assert rows["gap_cnn", "kaisa-sgd"]["steps_ratio"] == pytest.approx(0.5)
+    assert rows["gap_cnn", "kaisa-sgd"]["steps_vs"] == "sgd"
+    row = "| gap_cnn | SGD + KAISA | 1/1 | 500 | 0.50x sgd | 50.0 | 50.0 s | 0.50x sgd |"
+    assert row in markdown
+    assert "'steps vs fewest other'" in markdown
+    # A record made before the steps comparison existed gets the same rows from its arms.
+    old_docs = [
+        {**doc, "comparisons": {name: {k: v for k, v in comp.items() if k != "vs_fewest_steps"}
+                                for name, comp in doc["comparisons"].items()}}
+        for doc in docs
+    ]  # fmt: skip
+    assert all("vs_fewest_steps" not in c for d in old_docs for c in d["comparisons"].values())
+    assert summarize_suite(old_docs)["rows"] == summary["rows"]
     # The CPU's capability is on record: the same model name can be AVX2 or AVX-512 + BF16.
     import torch
 

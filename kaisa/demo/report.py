@@ -138,6 +138,7 @@ def format_table(results: dict[str, Any]) -> str:
         "reached",
         f"time to {metric.target_short(target)}",
         "steps",
+        "steps vs fewest",
         metric.column,
         "ms/step",
         "K-FAC ms/step",
@@ -149,6 +150,9 @@ def format_table(results: dict[str, Any]) -> str:
     for name, arm in results["arms"].items():
         kfac = "kfac_share" in arm
         comp = results["comparisons"][name]["vs_best"]
+        steps = results["comparisons"][name].get(
+            "vs_fewest_steps", {"arm": None, "steps_ratio": None}
+        )
         rows.append(
             (
                 _label(name),
@@ -156,6 +160,7 @@ def format_table(results: dict[str, Any]) -> str:
                 f"{arm['seeds_reaching_target']}/{arm['seeds']}",
                 _fmt(arm["time_to_target_s"], ".1f") + (" s" if arm["time_to_target_s"] else ""),
                 _fmt(arm["steps_to_target"], ".0f"),
+                _ratio_text(steps["steps_ratio"], steps["arm"], arm["steps_to_target"] is not None),
                 "-" if arm.get(final_key) is None else metric.format(arm[final_key]),
                 _fmt(arm["seconds_per_step"], ".1f", 1000.0),
                 _fmt(arm["kfac_seconds_per_step"] if kfac else None, ".1f", 1000.0),
@@ -392,6 +397,7 @@ _SUMMARY_HEADER = (
     "arm",
     "reached",
     "steps to target",
+    "steps vs fewest other",
     "ms/step",
     "time to target",
     "vs best other",
@@ -401,11 +407,13 @@ _SUMMARY_HEADER = (
 
 def _summary_cells(row: dict[str, Any]) -> tuple[str, ...]:
     t = row["time_to_target_s"]
+    reached = row["steps_to_target"] is not None
     return (
         row["workload"],
         _label(row["arm"]),
         f"{row['seeds_reaching_target']}/{row['seeds']}",
         _fmt(row["steps_to_target"], ".0f"),
+        _ratio_text(row["steps_ratio"], row["steps_vs"], reached),
         _fmt(row["ms_per_step"], ".1f"),
         "-" if t is None else f"{t:.1f} s",
         _ratio_text(row["ratio"], row["vs"], t is not None),
@@ -463,8 +471,10 @@ def _summary_notes(summary: dict[str, Any]) -> list[str]:
     notes = [
         f"Medians over {len(seeds)} seed(s) ({', '.join(map(str, seeds))}); training clock, "
         "evaluation excluded. 'vs best other': median time to target over that of the best "
-        "other arm (for kaisa arms: the best arm without K-FAC); 'never': this arm did not "
-        "reach the target; '(none)': it did, no arm it is compared with did.",
+        "other arm (for kaisa arms: the best arm without K-FAC); 'steps vs fewest other': "
+        "median steps to the target over the fewest among the same arms (on a GPU, steps are "
+        "what a cheap-step optimizer competes on); 'never': this arm did not reach the "
+        "target; '(none)': it did, no arm it is compared with did.",
     ]
     targets = ", ".join(
         f"{name} {_workload_target(w)} in {_budget(w)}"
