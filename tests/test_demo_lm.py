@@ -411,7 +411,8 @@ def test_tables_and_summary_over_both_kinds_of_workload() -> None:
         arm[f"final_{key}"] = 1.42 if metric == "val_loss" else 0.915
         arms = {"adamw": arm}
         comp = {"adamw": {"vs_best": {"arm": None, "time_ratio": None, "per_seed": {},
-                                      "per_seed_median": None}}}  # fmt: skip
+                                      "per_seed_median": None},
+                          "vs_fewest_steps": {"arm": None, "steps_ratio": None}}}  # fmt: skip
         doc = {"workload": workload, "metric": metric, "target": target, "arm_order": ["adamw"],
                "arms": arms, "comparisons": comp, "provisional": False,
                "shared": {"epochs": 1, "seeds": [0], "stop_at_target": True,
@@ -425,6 +426,7 @@ def test_tables_and_summary_over_both_kinds_of_workload() -> None:
     assert table.startswith("gpt: target validation loss 1.50 nats/byte, 1500 steps")
     assert "time to loss 1.50" in table and "final val loss" in table and "1.4200" in table
     assert "'final' is the loss there" in table
+    assert "steps vs fewest" in table and "(none)" in table
     image = results("gap_cnn", "accuracy", 0.91, 40.0)
     assert "time to 91.0%" in format_table(image) and "91.50%" in format_table(image)
     summary = summarize_suite([image, lm])

@@ -150,9 +150,7 @@ def format_table(results: dict[str, Any]) -> str:
     for name, arm in results["arms"].items():
         kfac = "kfac_share" in arm
         comp = results["comparisons"][name]["vs_best"]
-        steps = results["comparisons"][name].get(
-            "vs_fewest_steps", {"arm": None, "steps_ratio": None}
-        )
+        steps = results["comparisons"][name]["vs_fewest_steps"]
         rows.append(
             (
                 _label(name),
